@@ -1,0 +1,64 @@
+"""kvcompat: is vLLM's MultiConnector(NixlConnector + CPU offload) working, per vLLM and torch release?
+
+Sessions:
+  matrix   one session per cell: install with uv, run tests/connectors, write results/<cell>.json
+  report   merge results/ into reports/compat.{json,md,xml} and print the table
+  tests    the harness's own tests (no vLLM needed)
+
+Pick the matrix with KVCOMPAT_MATRIX (a table name in pyproject.toml, or path.toml[:name]),
+cells with nox's -k / -t, e.g. `nox -s matrix -k "0.33.0"` or `nox -t vllm-0.32`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent.resolve()
+sys.path.insert(0, str(ROOT / "src"))
+
+from kvcompat import settings  # noqa: E402
+from kvcompat.cells import PYTHON  # noqa: E402
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_venv = "yes"  # cell venvs are big; `uv pip sync` makes a reused one exact
+nox.options.sessions = ["matrix"]
+
+CELLS = settings.load_cells_or_exit(ROOT)
+
+
+@nox.session(venv_backend="uv", python=PYTHON, allow_parallel=True)
+@nox.parametrize("cell", [nox.param(c, id=c.nox_id, tags=c.tags) for c in CELLS])
+def matrix(session: nox.Session, cell) -> None:
+    """Install one cell with uv, run the connector suite in it, write results/<cell-id>.json."""
+    from kvcompat.runner import DiskFullError, run_cell
+
+    opts = settings.run_options(ROOT, session.posargs)
+    session.notify("report")
+    try:
+        result = run_cell(cell, Path(session.virtualenv.location), opts, progress=session.log)
+    except DiskFullError as exc:
+        session.error(str(exc))
+    if not result.outcome.is_green:
+        session.error(f"{result.outcome.label}: {result.detail}")
+
+
+@nox.session(python=False)
+def report(session: nox.Session) -> None:
+    """Merge results/ (and any folders given after --) into reports/compat.{json,md,xml}."""
+    from kvcompat.report import build_report, print_table, write_reports
+
+    dirs = [Path(p) for p in session.posargs] or [ROOT / "results"]
+    rep = build_report(dirs)
+    paths = write_reports(rep, ROOT / "reports")
+    print_table(rep)
+    session.log("wrote " + ", ".join(str(p.relative_to(ROOT)) for p in paths))
+
+
+@nox.session(venv_backend="uv", python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The harness's own tests: matrix parsing, cells, runner, plugin, report. No vLLM needed."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "tests/harness", *session.posargs)

@@ -1,0 +1,173 @@
+"""Cells: one (vLLM, torch, NIXL) combination to install and test.
+
+``resolve_cells`` turns matrix entries into concrete cells: ranges are expanded
+against the index, ``torch = "pinned"`` becomes the version the vLLM wheel pins.
+A cell whose vLLM cannot be found or resolved is still a cell (with torch
+``pinned``); running it records ``unresolvable`` instead of crashing the listing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
+from packaging.utils import parse_wheel_filename
+from packaging.version import Version
+
+from kvcompat import index
+from kvcompat.matrix import NIXL_FAKE, Entry
+
+PYTHON = "3.11"  # every surveyed vLLM release (0.8.5-0.34) accepts 3.11
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One environment of the matrix."""
+
+    vllm: str  # the release, or the local wheel's version
+    torch: str  # a torch version, or "pinned" when the pin could not be resolved
+    dist: str = "vllm"
+    torch_override: bool = False  # torch was requested explicitly (installed with --override)
+    nixl: str = NIXL_FAKE  # "fake", or a nixl-cu12 version for real NIXL
+    wheel: Path | None = None  # release qualification: a local vLLM wheel
+    runner: str = "cpu"
+    python: str = PYTHON
+
+    @property
+    def id(self) -> str:
+        """Filesystem-safe identifier, used for results/<id>.json."""
+        parts = [f"{self.dist}-{self.vllm}", f"torch-{self.torch}"]
+        if self.torch_override:
+            parts[-1] += "-override"
+        if self.wheel is not None:
+            parts[0] += "-wheel"
+        if self.nixl != NIXL_FAKE:
+            parts.append(f"nixl-{self.nixl}")
+        return re.sub(r"[^A-Za-z0-9._+-]", "_", "__".join(parts))
+
+    @property
+    def nox_id(self) -> str:
+        """The part of the nox session name in parentheses: ``vllm='0.33.0', torch='2.14.0'``."""
+        vllm = self.vllm if self.dist == "vllm" else f"{self.dist}=={self.vllm}"
+        if self.wheel is not None:
+            vllm = f"{self.wheel.name}"
+        parts = [f"vllm={vllm!r}", f"torch={self.torch!r}"]
+        if self.nixl != NIXL_FAKE:
+            parts.append(f"nixl={self.nixl!r}")
+        return ", ".join(parts)
+
+    @property
+    def tags(self) -> list[str]:
+        # nox -t matches tags literally (-t vllm-0.33); nox -k evaluates a Python expression,
+        # so each version also gets an identifier form (-k "vllm_0_33_0 and torch_2_14").
+        tags = [self.runner, f"vllm-{minor(self.vllm)}", self.dist, _ident(f"vllm_{self.vllm}"), _ident(f"torch_{self.torch}")]
+        if self.torch_override:
+            tags.append("override")
+        if self.nixl != NIXL_FAKE:
+            tags.append("real-nixl")
+        if self.wheel is not None:
+            tags.append("candidate")
+        return tags
+
+    @property
+    def vllm_requirement(self) -> str:
+        return str(self.wheel) if self.wheel is not None else f"{self.dist}=={self.vllm}"
+
+    def requirements(self) -> list[str]:
+        """What the cell's environment is resolved from (nixl is installed separately, --no-deps)."""
+        reqs = [self.vllm_requirement, "pytest>=8"]
+        if self.torch_override:
+            # --override replaces the wheel's own torch pin; the requirement makes it explicit.
+            reqs.append(f"torch=={self.torch}")
+        return reqs
+
+    def overrides(self) -> list[str]:
+        return [f"torch=={self.torch}"] if self.torch_override else []
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["wheel"] = str(self.wheel) if self.wheel else None
+        d["id"] = self.id
+        d["nox_id"] = self.nox_id
+        return d
+
+
+def _ident(text: str) -> str:
+    return re.sub(r"\W", "_", text)
+
+
+def minor(version: str) -> str:
+    """``0.33.0`` -> ``0.33``; anything unparsable is returned whole."""
+    try:
+        v = Version(version)
+    except Exception:
+        return version
+    return f"{v.major}.{v.minor}"
+
+
+def constraints_for(vllm_version: str, constraints_dir: Path) -> list[Path]:
+    """The constraints file for this vLLM minor, if the project keeps one (e.g. constraints/vllm-0.19.txt)."""
+    path = constraints_dir / f"vllm-{minor(vllm_version)}.txt"
+    return [path] if path.is_file() else []
+
+
+def expand_versions(entry: Entry, available: Callable[[str], list[Version]]) -> list[tuple[str, Path | None]]:
+    """The (version, wheel) pairs an entry stands for."""
+    if isinstance(entry.vllm, Path):
+        _, version, _, _ = parse_wheel_filename(entry.vllm.name)
+        return [(str(version), entry.vllm)]
+    if isinstance(entry.vllm, Version):
+        return [(str(entry.vllm), None)]
+    spec: SpecifierSet = entry.vllm
+    return [(str(v), None) for v in spec.filter(available(entry.dist), prereleases=entry.pre)]
+
+
+def resolve_cells(
+    entries: Iterable[Entry],
+    *,
+    constraints_dir: Path,
+    cache_root: Path,
+    available: Callable[[str], list[Version]] | None = None,
+    pinned_torch: Callable[[Cell], str | None] | None = None,
+) -> list[Cell]:
+    """Expand matrix entries into cells, newest vLLM first, without duplicates.
+
+    ``available`` and ``pinned_torch`` default to asking the index; tests pass fakes.
+    """
+    if available is None:
+        available = lambda dist: index.list_versions(dist, cache_root=cache_root)  # noqa: E731
+    if pinned_torch is None:
+        pinned_torch = lambda cell: _pinned_torch(cell, constraints_dir, cache_root)  # noqa: E731
+    cells: dict[str, Cell] = {}
+    for entry in entries:
+        for version, wheel in expand_versions(entry, available):
+            for torch in entry.torch:
+                for nixl in entry.nixl:
+                    base = Cell(vllm=version, torch="pinned", dist=entry.dist, nixl=nixl, wheel=wheel, runner=entry.runner)
+                    if torch == "pinned":
+                        cell = dataclasses.replace(base, torch=pinned_torch(base) or "pinned")
+                    else:
+                        cell = dataclasses.replace(base, torch=torch, torch_override=True)
+                    cells.setdefault(cell.id, cell)
+    return sorted(cells.values(), key=lambda c: (_sort_key(c.vllm), c.dist, c.torch, c.nixl), reverse=True)
+
+
+def _sort_key(version: str) -> Version:
+    try:
+        return Version(version)
+    except Exception:
+        return Version("0")
+
+
+def _pinned_torch(cell: Cell, constraints_dir: Path, cache_root: Path) -> str | None:
+    res = index.resolve(
+        [cell.vllm_requirement],
+        python=cell.python,
+        constraints=constraints_for(cell.vllm, constraints_dir),
+        cache_root=cache_root,
+        timeout=120,
+    )
+    return res.pin("torch") if res.ok else None

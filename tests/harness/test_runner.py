@@ -1,0 +1,157 @@
+"""Cell runs end to end with a fake vLLM wheel: every failure mode gets its own status, never PASS.
+
+These build real venvs with uv (pytest comes from uv's cache or the index) but need no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvcompat.cells import Cell
+from kvcompat.outcomes import Outcome
+from kvcompat.results import read_result
+from kvcompat.runner import DiskFullError, RunOptions, run_cell
+
+REPO = Path(__file__).resolve().parents[2]
+
+PASSING = '''
+from kvcompat import probes
+from kvcompat.outcomes import not_applicable
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
+
+def test_first_wins():
+    assert first_wins([0, 5, 7]) == 1
+
+def test_probe_sees_the_installed_wheel():
+    assert probes.has_module("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector")
+    assert not probes.has_module("vllm.v1.simple_kv_offload")
+
+def test_absent_capability():
+    if not probes.has_module("vllm.v1.simple_kv_offload"):
+        not_applicable("vllm.v1.simple_kv_offload is not in this distribution")
+    assert False, "unreachable with the fake wheel"
+'''
+
+
+@pytest.fixture
+def opts(tmp_path):
+    def make(suite: Path, **kw) -> RunOptions:
+        return RunOptions(repo=REPO, results_dir=tmp_path / "results", suite=str(suite), work_dir=tmp_path / "work", **kw)
+
+    return make
+
+
+def wheel_cell(wheel: Path) -> Cell:
+    return Cell(vllm="0.0.1", torch="none", wheel=wheel)
+
+
+def run(cell, tmp_path, options, lines=None):
+    return run_cell(cell, tmp_path / "venv", options, progress=(lines.append if lines is not None else lambda s: None))
+
+
+def test_passing_suite_passes_and_records_everything(tmp_path, fake_wheel, make_suite, opts):
+    lines: list[str] = []
+    suite = make_suite(test_ok=PASSING)
+    result = run(wheel_cell(fake_wheel()), tmp_path, opts(suite), lines)
+    assert result.outcome is Outcome.PASS, result.log_tail
+    assert result.counts() == {"passed": 2, "failed": 0, "error": 0, "not_applicable": 1}
+    assert result.versions["vllm"] == "0.0.1" and "pytest" in result.versions
+    assert result.python and result.python.startswith("3.11")
+    assert set(result.phases) == {"resolve", "install", "import", "test"}
+    on_disk = json.loads((tmp_path / "results" / f"{result.id}.json").read_text())
+    assert on_disk["outcome"] == "pass" and on_disk["counts"]["passed"] == 2
+    assert any("install done in" in line for line in lines)  # progress is reported per phase
+
+    # Unchanged lock + suite + Python: answered from the result file without running anything.
+    lines.clear()
+    again = run(wheel_cell(fake_wheel()), tmp_path, opts(suite), lines)
+    assert again.finished == result.finished
+    assert any("unchanged" in line for line in lines) and not any("test …" in line for line in lines)
+
+    # Any change to the suite invalidates the cache.
+    (suite / "test_more.py").write_text("def test_more():\n    assert True\n")
+    third = run(wheel_cell(fake_wheel()), tmp_path, opts(suite))
+    assert third.counts()["passed"] == 3
+
+
+def test_failing_test_is_test_fail_with_message(tmp_path, fake_wheel, make_suite, opts):
+    suite = make_suite(test_bad="def test_bad():\n    assert 'nixl' == 'offload', 'load went to the wrong child'\n")
+    result = run(wheel_cell(fake_wheel()), tmp_path, opts(suite))
+    assert result.outcome is Outcome.TEST_FAIL
+    assert "load went to the wrong child" in result.tests[0].message
+
+
+def test_unresolvable_release(tmp_path, make_suite, opts):
+    cell = Cell(vllm="0.0.0.dev0", torch="pinned")
+    result = run(cell, tmp_path, opts(make_suite(test_ok=PASSING)))
+    assert result.outcome is Outcome.UNRESOLVABLE
+    assert "vllm" in result.detail and result.tests == []
+    assert read_result(tmp_path / "results" / f"{cell.id}.json").outcome is Outcome.UNRESOLVABLE
+
+
+def test_import_error(tmp_path, fake_wheel, make_suite, opts):
+    result = run(wheel_cell(fake_wheel(broken_import=True)), tmp_path, opts(make_suite(test_ok=PASSING)))
+    assert result.outcome is Outcome.IMPORT_ERROR
+    assert "libcudart.so.13" in result.detail and "libcudart.so.13" in result.log_tail
+
+
+def test_no_tests_collected_is_an_error(tmp_path, fake_wheel, make_suite, opts):
+    result = run(wheel_cell(fake_wheel()), tmp_path, opts(make_suite(test_nothing="x = 1\n")))
+    assert result.outcome is Outcome.TEST_ERROR and "exit status 5" in result.detail
+
+
+def test_conftest_crash_is_an_error(tmp_path, fake_wheel, make_suite, opts):
+    suite = make_suite(test_ok=PASSING, conftest="raise RuntimeError('conftest exploded')\n")
+    result = run(wheel_cell(fake_wheel()), tmp_path, opts(suite))
+    assert result.outcome is Outcome.TEST_ERROR
+    assert "conftest exploded" in result.log_tail
+
+
+def test_hanging_test_times_out_and_its_process_group_dies(tmp_path, fake_wheel, make_suite, opts):
+    pidfile = tmp_path / "child.pid"
+    suite = make_suite(test_hang=f'''
+import subprocess, sys, time
+def test_hang():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open({str(pidfile)!r}, "w").write(str(child.pid))
+    time.sleep(600)
+''')
+    result = run(wheel_cell(fake_wheel()), tmp_path, opts(suite, timeout_s=8))
+    assert result.outcome is Outcome.TIMEOUT
+    assert result.phases["test"] < 60
+    child = int(pidfile.read_text())
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):  # the grandchild was in the killed group; give the kernel a moment to reap it
+            os.kill(child, 0)
+            __import__("time").sleep(0.1)
+
+
+def test_install_failure_is_retried_once_then_reported(tmp_path, fake_wheel, make_suite, opts, monkeypatch):
+    wheel = fake_wheel()
+    lines: list[str] = []
+    options = opts(make_suite(test_ok=PASSING))
+    from kvcompat import runner
+
+    real_sh = runner.CellRun.sh
+
+    def sh(self, cmd, **kw):
+        if "sync" in map(str, cmd):
+            wheel.unlink(missing_ok=True)  # the wheel vanishes between resolve and install
+        return real_sh(self, cmd, **kw)
+
+    monkeypatch.setattr(runner.CellRun, "sh", sh)
+    result = run(wheel_cell(wheel), tmp_path, options, lines)
+    assert result.outcome is Outcome.INSTALL_ERROR
+    assert sum("install attempt" in line for line in lines) == 2
+    assert result.log_tail
+
+
+def test_disk_check_refuses_before_building(tmp_path, fake_wheel, make_suite, opts):
+    options = opts(make_suite(test_ok=PASSING), min_free_gb=10**9)
+    with pytest.raises(DiskFullError, match=r"GiB free .* needs about .* GiB"):
+        run(wheel_cell(fake_wheel()), tmp_path, options)
+    assert not (tmp_path / "results").exists()
