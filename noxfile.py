@@ -62,3 +62,13 @@ def tests(session: nox.Session) -> None:
     """The harness's own tests: matrix parsing, cells, runner, plugin, report. No vLLM needed."""
     session.install("-e", ".[test]")
     session.run("pytest", "tests/harness", *session.posargs)
+
+
+@nox.session(python=False)
+def bisect(session: nox.Session) -> None:
+    """Find the first bad release: nox -s bisect -- --test T --good V1 --bad V2 [--dist D] [--torch pinned|X]."""
+    from kvcompat.sessions import bisect_main
+
+    code = bisect_main(ROOT, session.posargs, say=session.log)
+    if code:
+        raise SystemExit(code)  # bad input: one line on stderr, exit status 2, no traceback

