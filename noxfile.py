@@ -47,11 +47,11 @@ def matrix(session: nox.Session, cell) -> None:
 
 @nox.session(python=False)
 def report(session: nox.Session) -> None:
-    """Merge results/ (and any folders given after --) into reports/compat.{json,md,xml}."""
+    """Merge results/ (or the folders given after --, from any number of machines) into reports/compat.*."""
     from kvcompat.report import build_report, print_table, write_reports
 
     dirs = [Path(p) for p in session.posargs] or [ROOT / "results"]
-    rep = build_report(dirs)
+    rep = build_report(dirs, previous=ROOT / "reports" / "compat.json")
     paths = write_reports(rep, ROOT / "reports")
     print_table(rep)
     session.log("wrote " + ", ".join(str(p.relative_to(ROOT)) for p in paths))

@@ -50,6 +50,7 @@ class CellResult:
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per phase
     log_tail: str = ""
     cache_key: str | None = None
+    suites: dict[str, dict] = dataclasses.field(default_factory=dict)  # suite -> {"outcome", "detail", "seconds"}
     started: str | None = None
     finished: str | None = None
     schema: int = SCHEMA

