@@ -3,6 +3,8 @@
 Sessions:
   matrix   one session per cell: install with uv, run tests/connectors, write results/<cell>.json
   report   merge results/ into reports/compat.{json,md,xml} and print the table
+  bisect   first vLLM release where a test breaks
+  ci       write a GitHub Actions / Buildkite pipeline with one job per cell
   tests    the harness's own tests (no vLLM needed)
 
 Pick the matrix with KVCOMPAT_MATRIX (a table name in pyproject.toml, or path.toml[:name]),
@@ -72,3 +74,17 @@ def bisect(session: nox.Session) -> None:
     code = bisect_main(ROOT, session.posargs, say=session.log)
     if code:
         raise SystemExit(code)  # bad input: one line on stderr, exit status 2, no traceback
+
+
+@nox.session(python=False)
+def ci(session: nox.Session) -> None:
+    """Write a CI pipeline that runs one job per cell: nox -s ci -- github|buildkite."""
+    from kvcompat.ci import write
+
+    engines = session.posargs or ["github"]
+    for engine in engines:
+        try:
+            path = write(engine, ROOT)
+        except ValueError as exc:
+            session.error(str(exc))
+        session.log(f"wrote {path.relative_to(ROOT)}")
