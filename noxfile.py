@@ -23,26 +23,35 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvcompat import settings  # noqa: E402
 from kvcompat.cells import PYTHON  # noqa: E402
+from kvcompat.sessions import update_report  # noqa: E402
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"  # cell venvs are big; `uv pip sync` makes a reused one exact
 nox.options.sessions = ["matrix"]
 
-CELLS = settings.load_cells_or_exit(ROOT)
+CELLS = {cell.id: cell for cell in settings.load_cells_or_exit(ROOT)}
 
 
 @nox.session(venv_backend="uv", python=PYTHON, allow_parallel=True)
-@nox.parametrize("cell", [nox.param(c, id=c.nox_id, tags=c.tags) for c in CELLS])
-def matrix(session: nox.Session, cell) -> None:
+# The parameter is the cell id (a string): nox -j hands parameters to worker processes as JSON.
+@nox.parametrize("cell_id", [nox.param(c.id, id=c.nox_id, tags=c.tags) for c in CELLS.values()])
+def matrix(session: nox.Session, cell_id: str) -> None:
     """Install one cell with uv, run the connector suite in it, write results/<cell-id>.json."""
     from kvcompat.runner import DiskFullError, run_cell
 
+    cell = CELLS[cell_id]
     opts = settings.run_options(ROOT, session.posargs)
-    session.notify("report")
+    try:
+        session.notify("report")
+        parallel = False
+    except ValueError:  # nox -j runs sessions without dependencies: update the report ourselves
+        parallel = True
     try:
         result = run_cell(cell, Path(session.virtualenv.location), opts, progress=session.log)
     except DiskFullError as exc:
         session.error(str(exc))
+    if parallel:
+        update_report(ROOT, [opts.results_dir])
     if not result.outcome.is_green:
         session.error(f"{result.outcome.label}: {result.detail}")
 
@@ -50,11 +59,9 @@ def matrix(session: nox.Session, cell) -> None:
 @nox.session(python=False)
 def report(session: nox.Session) -> None:
     """Merge results/ (or the folders given after --, from any number of machines) into reports/compat.*."""
-    from kvcompat.report import build_report, print_table, write_reports
+    from kvcompat.report import print_table
 
-    dirs = [Path(p) for p in session.posargs] or [ROOT / "results"]
-    rep = build_report(dirs, previous=ROOT / "reports" / "compat.json")
-    paths = write_reports(rep, ROOT / "reports")
+    rep, paths = update_report(ROOT, [Path(p) for p in session.posargs] or [ROOT / "results"])
     print_table(rep)
     session.log("wrote " + ", ".join(str(p.relative_to(ROOT)) for p in paths))
 

@@ -20,6 +20,25 @@ from kvcompat.runner import RunOptions, run_cell
 SITE = "lib/python3.11/site-packages"
 
 
+def update_report(root: Path, dirs: list[Path]):
+    """Rebuild reports/ from result folders, under a lock.
+
+    Parallel cells (nox -j) each call this after writing their own result; the
+    lock makes read-all-results-then-write atomic, so the last cell to finish
+    always leaves a report that includes every finished cell.
+    """
+    import fcntl
+
+    from kvcompat.report import build_report, write_reports
+
+    out = root / "reports"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rep = build_report(dirs, previous=out / "compat.json")
+        return rep, write_reports(rep, out)
+
+
 def matrix_venv(root: Path, cell: Cell) -> Path:
     """The venv nox uses for this cell's matrix session, so bisect and matrix share it."""
     name = f"matrix({cell.nox_id})"

@@ -1,0 +1,137 @@
+"""Faults at the matrix level: killed runs resume, parallel cells don't corrupt results, writes are atomic.
+
+Each test builds a throwaway project (our noxfile + src, a matrix of fake vLLM wheels,
+and a tiny suite) and drives real `nox` in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcompat.atomic import write_atomic
+
+from fakes import FAKE_CONNECTOR_FILES, build_wheel
+
+REPO = Path(__file__).resolve().parents[2]
+
+SUITE = '''
+import os, time
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
+
+def test_first_wins():
+    if os.environ.get("KVCOMPAT_TEST_HANG") and __import__("vllm").__version__ == "0.0.1":
+        time.sleep(600)
+    assert first_wins([0, 3]) == 1
+'''
+
+
+@pytest.fixture
+def project(tmp_path):
+    root = tmp_path / "proj"
+    (root / "tests" / "connectors").mkdir(parents=True)
+    (root / "constraints").mkdir()
+    shutil.copy(REPO / "noxfile.py", root / "noxfile.py")
+    (root / "src").symlink_to(REPO / "src")
+    (root / "tests" / "connectors" / "test_suite.py").write_text(SUITE)
+    wheels = []
+    for v in ("0.0.1", "0.0.2"):
+        files = {**FAKE_CONNECTOR_FILES, "vllm/__init__.py": f"__version__ = {v!r}\n"}
+        folder = root / "wheels" / v
+        folder.mkdir(parents=True)
+        wheels.append(build_wheel(folder, files, version=v))
+    entries = ", ".join(f'{{ vllm = "wheels/{w.parent.name}/{w.name}" }}' for w in wheels)
+    (root / "pyproject.toml").write_text(f"[tool.kvcompat.matrix]\ndefault = [{entries}]\n")
+    return root
+
+
+def nox(root, *args, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True, **kw)
+
+
+def wait_for(pred, timeout=180):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def results(root):
+    return {p.name: json.loads(p.read_text()) for p in (root / "results").glob("*.json")}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_killed_matrix_resumes_only_unfinished_cells(project, sig):
+    finished, hung = "vllm-0.0.2-wheel__torch-pinned", "vllm-0.0.1-wheel__torch-pinned"
+    proc = nox(project, "-s", "matrix", env={"KVCOMPAT_TEST_HANG": "1"})
+    # Cells run newest first: 0.0.2 finishes, then 0.0.1 hangs inside pytest.
+    hung_log = project / ".kvcompat" / "cells" / hung / "cell.log"
+    assert wait_for(lambda: hung_log.exists() and "-m pytest" in hung_log.read_text(errors="ignore"))
+    time.sleep(2)
+    os.killpg(proc.pid, sig)
+    proc.wait(timeout=60)
+    assert sorted(results(project)) == [f"{finished}.json"]  # the finished cell, whole; nothing for the killed one
+    assert list((project / "results").glob(".*")) == []  # no half-written temp files left behind
+
+    rerun = nox(project, "-s", "matrix")
+    out, _ = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, out
+    assert out.count("unchanged (lock, suite and Python match") == 1, out  # only the unfinished cell ran again
+    got = results(project)
+    assert got[f"{finished}.json"]["outcome"] == got[f"{hung}.json"]["outcome"] == "pass"
+
+
+def test_rerun_answers_finished_cells_from_cache(project):
+    first = nox(project, "-s", "matrix")
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, out
+    again = nox(project, "-s", "matrix")
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0
+    assert out.count("unchanged (lock, suite and Python match") == 2, out
+    assert "test …" not in out
+
+
+def test_parallel_cells_write_results_without_corruption(project):
+    proc = nox(project, "-s", "matrix", "-j", "2")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    got = results(project)
+    assert sorted(got) == ["vllm-0.0.1-wheel__torch-pinned.json", "vllm-0.0.2-wheel__torch-pinned.json"]
+    assert all(r["outcome"] == "pass" and r["counts"]["passed"] == 1 for r in got.values())
+    assert "pass 1/1" in (project / "reports" / "compat.md").read_text()
+
+
+def _hammer(path: str, n: int, tag: int) -> None:
+    for i in range(n):
+        write_atomic(Path(path), json.dumps({"writer": tag, "i": i, "pad": "x" * 20000}))
+
+
+def test_concurrent_atomic_writes_never_expose_partial_files(tmp_path):
+    target = tmp_path / "cell.json"
+    write_atomic(target, json.dumps({"writer": -1, "i": 0, "pad": ""}))
+    procs = [mp.get_context("spawn").Process(target=_hammer, args=(str(target), 200, k)) for k in range(2)]
+    for p in procs:
+        p.start()
+    reads = 0
+    while any(p.is_alive() for p in procs):
+        json.loads(target.read_text())  # must always parse: readers see an old or a new file, never half
+        reads += 1
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    assert reads > 0 and json.loads(target.read_text())["i"] == 199
+    assert list(tmp_path.glob(".*.tmp")) == []
