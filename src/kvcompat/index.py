@@ -120,8 +120,13 @@ def resolve(
     overrides: list[str] = (),
     cache_root: Path | None = None,
     timeout: float = 600,
+    offline: bool = False,
 ) -> Resolution:
-    """Resolve ``requirements`` for interpreter ``python``; cached by inputs when ``cache_root`` is given."""
+    """Resolve ``requirements`` for interpreter ``python``; cached by inputs when ``cache_root`` is given.
+
+    ``offline`` resolves from uv's cache only (~0.3 s instead of ~3 s): used to
+    confirm an unchanged cell, never to build one.
+    """
     key_src = json.dumps([requirements, python, [p.read_text() for p in constraints], list(overrides), find_links()])
     cache = None
     if cache_root is not None:
@@ -141,6 +146,8 @@ def resolve(
             cmd += ["--override", str(ovr)]
         for fl in find_links():
             cmd += ["--find-links", fl]
+        if offline:
+            cmd.append("--offline")
         t0 = time.monotonic()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

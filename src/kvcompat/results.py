@@ -50,6 +50,7 @@ class CellResult:
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per phase
     log_tail: str = ""
     cache_key: str | None = None
+    resolved_at: float | None = None  # epoch seconds of the online resolution behind cache_key
     suites: dict[str, dict] = dataclasses.field(default_factory=dict)  # suite -> {"outcome", "detail", "seconds"}
     started: str | None = None
     finished: str | None = None

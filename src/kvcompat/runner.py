@@ -63,6 +63,9 @@ class RunOptions:
     pytest_args: tuple[str, ...] = ()
     min_free_gb: float = 15.0  # a fresh CUDA-torch cell can take ~10 GB if nothing is cached
     work_dir: Path | None = None  # per-cell logs and locks; default .kvcompat/cells
+    # An unchanged cell is confirmed by an offline resolution (0.3 s) only while its
+    # last online resolution is younger than this; after that the index is asked again.
+    lock_ttl_s: float = 3600.0
 
     @property
     def work_root(self) -> Path:
@@ -175,28 +178,27 @@ class CellRun:
     # -- phases -------------------------------------------------------------------
 
     def run(self) -> CellResult:
+        suite = suite_hash(self.opts.repo, self.opts.suite)
+        cached = read_result(result_path(self.opts.results_dir, self.cell.id))
+        if cached is not None and not self.opts.force and self.unchanged(cached, suite):
+            return self.reuse(cached)
+
         self.work.mkdir(parents=True, exist_ok=True)
         self.log_path.write_text(f"# kvcompat cell {self.cell.id} started {self.started}\n")
         self.check_disk()
-
         with self.timed("resolve"):
-            res = index.resolve(
-                self.cell.requirements(),
-                python=self.cell.python,
-                constraints=constraints_for(self.cell.vllm, self.opts.repo / "constraints"),
-                overrides=self.cell.overrides(),
-            )
+            res = self.resolve(offline=False)
+            resolved_at = time.time()
             self.log(res.lock or res.error)
         if not res.ok:
             return self.finish(Outcome.UNRESOLVABLE, explain_resolution(res.error, self.cell.vllm_requirement))
         lock = self.work / "lock.txt"
         write_atomic(lock, res.lock)
-
-        key = cache_key(res.lock, suite_hash(self.opts.repo, self.opts.suite), self.cell)
-        cached = read_result(result_path(self.opts.results_dir, self.cell.id))
+        key = cache_key(res.lock, suite, self.cell)
         if cached is not None and cached.cache_key == key and not self.opts.force:
-            self.say(f"unchanged (lock, suite and Python match {key}); cached {cached.outcome.label.upper()} from {cached.finished}")
-            return cached
+            cached.resolved_at = resolved_at  # the online check is fresh again
+            write_result(self.opts.results_dir, cached)
+            return self.reuse(cached)
 
         with self.timed("install"):
             ok, detail = self.install(lock)
@@ -214,7 +216,28 @@ class CellRun:
 
         with self.timed("test"):
             outcome, detail, tests = self.pytest()
-        return self.finish(outcome, detail, tests=tests, versions=versions, python=probe["python"], cache_key=key)
+        return self.finish(outcome, detail, tests=tests, versions=versions, python=probe["python"], cache_key=key,
+                           resolved_at=resolved_at)
+
+    def resolve(self, *, offline: bool) -> index.Resolution:
+        return index.resolve(
+            self.cell.requirements(),
+            python=self.cell.python,
+            constraints=constraints_for(self.cell.vllm, self.opts.repo / "constraints"),
+            overrides=self.cell.overrides(),
+            offline=offline,
+        )
+
+    def reuse(self, cached: CellResult) -> CellResult:
+        self.say(f"unchanged (lock, suite and Python match {cached.cache_key}); cached {cached.outcome.label.upper()} from {cached.finished}")
+        return cached
+
+    def unchanged(self, cached: CellResult, suite: str) -> bool:
+        """Fast path: a recent online lock, re-derived offline, still gives the cached key."""
+        if cached.cache_key is None or cached.resolved_at is None or time.time() - cached.resolved_at > self.opts.lock_ttl_s:
+            return False
+        res = self.resolve(offline=True)
+        return res.ok and cache_key(res.lock, suite, self.cell) == cached.cache_key
 
     def check_disk(self) -> None:
         self.venv.parent.mkdir(parents=True, exist_ok=True)
@@ -253,7 +276,7 @@ class CellRun:
         """Make ``kvcompat`` (plugin, adapter, probes) importable in the cell without installing its deps."""
         rc, out = self.sh([self.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], timeout=60, phase="install")
         site = Path(out.strip().splitlines()[-1])
-        write_atomic(site / "kvcompat_harness.pth", str(self.opts.repo / "src") + "\n")
+        write_atomic(site / "kvcompat_harness.pth", str(self.opts.repo.resolve() / "src") + "\n")
 
     def freeze(self) -> dict[str, str]:
         rc, out = self.sh([index.uv_bin(), "pip", "freeze", "--python", self.python], timeout=120, phase="freeze")

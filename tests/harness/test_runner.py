@@ -56,7 +56,8 @@ def run(cell, tmp_path, options, lines=None):
 def test_passing_suite_passes_and_records_everything(tmp_path, fake_wheel, make_suite, opts):
     lines: list[str] = []
     suite = make_suite(test_ok=PASSING)
-    result = run(wheel_cell(fake_wheel()), tmp_path, opts(suite), lines)
+    wheel = fake_wheel()
+    result = run(wheel_cell(wheel), tmp_path, opts(suite), lines)
     assert result.outcome is Outcome.PASS, result.log_tail
     assert result.counts() == {"passed": 2, "failed": 0, "error": 0, "not_applicable": 1}
     assert result.versions["vllm"] == "0.0.1" and "pytest" in result.versions
@@ -68,14 +69,26 @@ def test_passing_suite_passes_and_records_everything(tmp_path, fake_wheel, make_
 
     # Unchanged lock + suite + Python: answered from the result file without running anything.
     lines.clear()
-    again = run(wheel_cell(fake_wheel()), tmp_path, opts(suite), lines)
+    again = run(wheel_cell(wheel), tmp_path, opts(suite), lines)
     assert again.finished == result.finished
     assert any("unchanged" in line for line in lines) and not any("test …" in line for line in lines)
 
     # Any change to the suite invalidates the cache.
     (suite / "test_more.py").write_text("def test_more():\n    assert True\n")
-    third = run(wheel_cell(fake_wheel()), tmp_path, opts(suite))
+    third = run(wheel_cell(wheel), tmp_path, opts(suite))
     assert third.counts()["passed"] == 3
+
+    # So does a rebuilt candidate wheel with the same name but other bytes.
+    lines.clear()
+    rebuilt = fake_wheel(extra={"vllm/extra.py": "X = 1\n"})
+    assert rebuilt == wheel
+    fourth = run(wheel_cell(rebuilt), tmp_path, opts(suite), lines)
+    assert not any("unchanged" in line for line in lines) and fourth.finished >= third.finished
+
+    # --force ignores the cache.
+    lines.clear()
+    run(wheel_cell(rebuilt), tmp_path, opts(suite, force=True), lines)
+    assert any("test done" in line for line in lines)
 
 
 def test_failing_test_is_test_fail_with_message(tmp_path, fake_wheel, make_suite, opts):
