@@ -59,6 +59,7 @@ class ResultCollector:
         self.suite = suite
         self.tests: dict[str, dict] = {}
         self.collected = 0
+        self.deselected: list[str] = []
 
     def _record(self, nodeid: str, outcome: TestOutcome | None, message: str | None, duration: float) -> None:
         entry = self.tests.setdefault(nodeid, {"nodeid": nodeid, "outcome": None, "duration": 0.0, "message": None, "suite": self.suite})
@@ -73,6 +74,9 @@ class ResultCollector:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         self.collected = len(items)
+
+    def pytest_deselected(self, items: list[pytest.Item]) -> None:
+        self.deselected += [item.nodeid for item in items]
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
@@ -104,5 +108,5 @@ class ResultCollector:
                 entry["outcome"] = TestOutcome.ERROR
                 entry["message"] = entry["message"] or "test did not run to completion"
             tests.append({**entry, "outcome": TestOutcome(entry["outcome"]).value})
-        payload = {"exitstatus": int(exitstatus), "collected": self.collected, "tests": tests}
+        payload = {"exitstatus": int(exitstatus), "collected": self.collected, "deselected": self.deselected, "tests": tests}
         write_atomic(self.path, json.dumps(payload, indent=1))

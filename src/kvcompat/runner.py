@@ -295,9 +295,7 @@ class CellRun:
     def suite_run(self, suite: str) -> SuiteRun:
         """Where and how to run ``suite`` in this cell."""
         if suite == "ours":
-            # Real-NIXL tests need nixl installed: they run in nixl cells, the rest in fake cells.
-            marker = "real_nixl" if self.cell.nixl != NIXL_FAKE else "not real_nixl"
-            return SuiteRun(path=self.opts.suite, cwd=self.opts.repo, args=["-m", marker])
+            return SuiteRun(path=self.opts.suite, cwd=self.opts.repo, args=["-m", suite_marker(self.cell)])
         if suite == "upstream":
             from kvcompat import upstream  # stdlib-only; fetches vLLM's sdist tests once per release
 
@@ -346,7 +344,22 @@ class CellRun:
             return Outcome.TEST_ERROR, f"pytest exit status {rc} disagrees with the recorded tests ({outcome.value})", tests
         counts = {o: sum(t.outcome is o for t in tests) for o in TestOutcome}
         detail = f"{counts[TestOutcome.PASSED]}/{len(tests)} tests passed"
+        if data.get("deselected"):
+            names = ", ".join(sorted(n.split("::")[-1] for n in data["deselected"]))
+            detail += f"; {len(data['deselected'])} not run here ({' '.join(run.args)}): {names}"
         return outcome, detail, tests
+
+
+def suite_marker(cell: Cell) -> str:
+    """Which of our tests a cell runs.
+
+    Real-NIXL tests need nixl installed: they run in nixl cells, the others in fake
+    cells.  Tests marked ``gpu`` drive a child whose worker needs CUDA (the CPU-offload
+    connectors' copy streams): they run only on GPU cells and are not counted on CPU
+    cells; the report says how many were left out.
+    """
+    marker = "real_nixl" if cell.nixl != NIXL_FAKE else "not real_nixl"
+    return marker if cell.runner == "gpu" else f"{marker} and not gpu"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -77,4 +77,14 @@ def test_collection_error_is_recorded(pytester):
 
 def test_no_tests_collected(pytester):
     result, data = run(pytester, "x = 1\n")
-    assert data == {"exitstatus": 5, "collected": 0, "tests": []}
+    assert data == {"exitstatus": 5, "collected": 0, "deselected": [], "tests": []}
+
+
+def test_deselected_tests_are_listed(pytester):
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: needs CUDA\n")
+    pytester.makepyfile(test_suite="import pytest\n\n@pytest.mark.gpu\ndef test_gpu():\n    pass\n\ndef test_cpu():\n    pass\n")
+    out = pytester.path / "out.json"
+    pytester.runpytest_subprocess("-p", "kvcompat.pytest_plugin", f"--kvcompat-json={out}", "-m", "not gpu")
+    data = json.loads(out.read_text())
+    assert [(t["nodeid"], t["outcome"]) for t in data["tests"]] == [("test_suite.py::test_cpu", "passed")]
+    assert data["deselected"] == ["test_suite.py::test_gpu"]

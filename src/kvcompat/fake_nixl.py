@@ -1,0 +1,258 @@
+"""A fake NIXL agent (``nixl._api.nixl_agent``) for connector tests without NIXL.
+
+It mimics the observable behaviour of real NIXL 1.5.x as measured on CPU
+(see shared/notes/nixl-on-cpu.md):
+
+* ``add_remote_agent(metadata)`` returns the remote agent name as ``bytes``;
+* ``get_new_notifs()`` returns ``{str agent name: [bytes, ...]}`` and drains;
+* ``transfer(handle)`` returns ``"PROC"``; the transfer is ``"DONE"`` the next
+  time ``check_xfer_state(handle)`` polls it (``"PROC"`` is never final);
+* ``prep_xfer_dlist`` / ``make_prepped_xfer`` / ``get_reg_descs`` /
+  ``get_xfer_descs`` return opaque handles; releasing an unknown handle raises.
+
+No data is moved.  Every call is recorded in ``calls`` (name, args, kwargs) so
+tests can assert on what vLLM asked the agent to do.  All instances created in
+the process are kept in ``FakeNixlWrapper.instances``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass
+class FakeXferTelemetry:
+    """Shape of ``nixl._bindings.nixlXferTelemetry`` as read by vLLM's stats."""
+
+    startTime: int = 0
+    postDuration: int = 1
+    xferDuration: int = 2
+    totalBytes: int = 0
+    descCount: int = 0
+
+
+@dataclass
+class FakeDescList:
+    mem_type: str | None
+    descs: list[Any]
+
+    def __len__(self) -> int:
+        return len(self.descs)
+
+
+@dataclass
+class _Xfer:
+    op: str
+    local: int
+    local_indices: list[int]
+    remote: int
+    remote_indices: list[int]
+    notif_msg: bytes
+    state: str = "INIT"  # INIT -> PROC (transfer) -> DONE (first poll after)
+    polls: int = 0
+
+
+@dataclass
+class RecordedCall:
+    name: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class FakeNixlWrapper:
+    """Drop-in stand-in for ``nixl_agent(name, config)``."""
+
+    instances: ClassVar[list["FakeNixlWrapper"]] = []
+    polls_until_done: ClassVar[int] = 1
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, agent_name: str, config: Any = None, *args: Any, **kwargs: Any):
+        self.name = agent_name
+        self.config = config
+        self.calls: list[RecordedCall] = []
+        self.registered: list[FakeDescList] = []
+        self.remote_agents: dict[str, bytes] = {}
+        self.backends: list[str] = ["UCX"]
+        self._handles = itertools.count(1)
+        self._dlists: dict[int, tuple[str, FakeDescList]] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._notifs: dict[str, list[bytes]] = {}
+        self._record("__init__", (agent_name, config) + args, kwargs)
+        with FakeNixlWrapper._lock:
+            FakeNixlWrapper.instances.append(self)
+
+    # -- recording helpers -------------------------------------------------
+    def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.calls.append(RecordedCall(name, tuple(args), dict(kwargs)))
+
+    def calls_named(self, name: str) -> list[RecordedCall]:
+        return [c for c in self.calls if c.name == name]
+
+    @classmethod
+    def reset(cls) -> None:
+        with cls._lock:
+            cls.instances.clear()
+
+    def inject_notif(self, remote_agent_name: str, msg: bytes) -> None:
+        """Queue a notification as if ``remote_agent_name`` had sent ``msg``."""
+        self._notifs.setdefault(remote_agent_name, []).append(bytes(msg))
+
+    # -- backends / plugins -------------------------------------------------
+    def get_plugin_list(self) -> list[str]:
+        self._record("get_plugin_list", (), {})
+        return ["UCX"]
+
+    def get_backend_mem_types(self, backend: str) -> list[str]:
+        self._record("get_backend_mem_types", (backend,), {})
+        return ["DRAM_SEG", "VRAM_SEG"]
+
+    def create_backend(self, backend: str, params: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._record("create_backend", (backend, params) + args, kwargs)
+        self.backends.append(backend)
+        return backend
+
+    # -- memory registration ------------------------------------------------
+    def get_reg_descs(self, descs: Any, mem_type: str | None = None, *args: Any, **kwargs: Any) -> FakeDescList:
+        self._record("get_reg_descs", (descs, mem_type) + args, kwargs)
+        return FakeDescList(mem_type, list(descs))
+
+    def register_memory(self, descs: Any, mem_type: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        self._record("register_memory", (descs, mem_type) + args, kwargs)
+        if not isinstance(descs, FakeDescList):
+            descs = FakeDescList(mem_type, list(descs))
+        self.registered.append(descs)
+        return descs
+
+    def deregister_memory(self, descs: Any, *args: Any, **kwargs: Any) -> None:
+        self._record("deregister_memory", (descs,) + args, kwargs)
+        if descs in self.registered:
+            self.registered.remove(descs)
+
+    def get_xfer_descs(self, descs: Any, mem_type: str | None = None, *args: Any, **kwargs: Any) -> FakeDescList:
+        self._record("get_xfer_descs", (descs, mem_type) + args, kwargs)
+        return FakeDescList(mem_type, list(descs))
+
+    # -- agents / metadata --------------------------------------------------
+    def get_agent_metadata(self) -> bytes:
+        self._record("get_agent_metadata", (), {})
+        return b"fake-nixl-md:" + self.name.encode()
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        self._record("add_remote_agent", (metadata,), {})
+        md = bytes(metadata)
+        name = md.split(b":", 1)[1] if md.startswith(b"fake-nixl-md:") else md
+        self.remote_agents[name.decode(errors="replace")] = md
+        return name  # bytes, like real NIXL
+
+    def remove_remote_agent(self, agent: str | bytes) -> None:
+        self._record("remove_remote_agent", (agent,), {})
+        key = agent.decode() if isinstance(agent, bytes) else agent
+        self.remote_agents.pop(key, None)
+
+    def check_remote_metadata(self, agent: str | bytes, *args: Any, **kwargs: Any) -> bool:
+        self._record("check_remote_metadata", (agent,) + args, kwargs)
+        key = agent.decode() if isinstance(agent, bytes) else agent
+        return key in self.remote_agents
+
+    # -- transfers ------------------------------------------------------------
+    def prep_xfer_dlist(self, agent_name: str | bytes, xfer_list: Any, mem_type: str | None = None, *args: Any, **kwargs: Any) -> int:
+        self._record("prep_xfer_dlist", (agent_name, xfer_list, mem_type) + args, kwargs)
+        h = next(self._handles)
+        dl = xfer_list if isinstance(xfer_list, FakeDescList) else FakeDescList(mem_type, list(xfer_list))
+        key = agent_name.decode() if isinstance(agent_name, bytes) else agent_name
+        self._dlists[h] = (key, dl)
+        return h
+
+    def release_dlist_handle(self, handle: int) -> None:
+        self._record("release_dlist_handle", (handle,), {})
+        if handle not in self._dlists:
+            raise ValueError(f"unknown dlist handle {handle}")
+        del self._dlists[handle]
+
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: int,
+        local_indices: Any,
+        remote_xfer_side: int,
+        remote_indices: Any,
+        notif_msg: bytes = b"",
+        *args: Any,
+        **kwargs: Any,
+    ) -> int:
+        self._record(
+            "make_prepped_xfer",
+            (operation, local_xfer_side, local_indices, remote_xfer_side, remote_indices, notif_msg) + args,
+            kwargs,
+        )
+        if local_xfer_side not in self._dlists or remote_xfer_side not in self._dlists:
+            raise ValueError("make_prepped_xfer on an unknown dlist handle")
+        h = next(self._handles)
+        self._xfers[h] = _Xfer(
+            operation,
+            local_xfer_side,
+            [int(i) for i in local_indices],
+            remote_xfer_side,
+            [int(i) for i in remote_indices],
+            bytes(notif_msg) if notif_msg else b"",
+        )
+        return h
+
+    def initialize_xfer(self, operation: str, local_descs: Any, remote_descs: Any, remote_agent: str, notif_msg: bytes = b"", *args: Any, **kwargs: Any) -> int:
+        self._record("initialize_xfer", (operation, local_descs, remote_descs, remote_agent, notif_msg) + args, kwargs)
+        h = next(self._handles)
+        self._xfers[h] = _Xfer(operation, 0, [], 0, [], bytes(notif_msg) if notif_msg else b"")
+        return h
+
+    def transfer(self, handle: int, notif_msg: bytes = b"") -> str:
+        self._record("transfer", (handle, notif_msg), {})
+        x = self._xfers[handle]
+        x.state = "PROC"
+        return "PROC"
+
+    def check_xfer_state(self, handle: int) -> str:
+        self._record("check_xfer_state", (handle,), {})
+        x = self._xfers[handle]
+        if x.state == "PROC":
+            # Completes when polled, never inside transfer(); with
+            # polls_until_done > 1 the first polls still see "PROC".
+            x.polls += 1
+            if x.polls >= self.polls_until_done:
+                x.state = "DONE"
+        return x.state
+
+    def get_xfer_telemetry(self, handle: int) -> FakeXferTelemetry:
+        self._record("get_xfer_telemetry", (handle,), {})
+        x = self._xfers[handle]
+        return FakeXferTelemetry(totalBytes=0, descCount=len(x.local_indices))
+
+    def release_xfer_handle(self, handle: int) -> None:
+        self._record("release_xfer_handle", (handle,), {})
+        if handle not in self._xfers:
+            raise ValueError(f"unknown xfer handle {handle}")
+        del self._xfers[handle]
+
+    def check_remote_xfer_done(self, remote_agent: str, lookup_msg: bytes) -> bool:
+        self._record("check_remote_xfer_done", (remote_agent, lookup_msg), {})
+        msgs = self._notifs.get(remote_agent, [])
+        return any(lookup_msg in m for m in msgs)
+
+    # -- notifications --------------------------------------------------------
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        self._record("get_new_notifs", (), {})
+        out, self._notifs = self._notifs, {}
+        return out
+
+    def send_notif(self, remote_agent_name: str | bytes, notif_msg: bytes = b"", *args: Any, **kwargs: Any) -> None:
+        self._record("send_notif", (remote_agent_name, notif_msg) + args, kwargs)
+
+
+class FakeNixlAgentConfig:
+    """Stand-in for ``nixl._api.nixl_agent_config`` (records its keyword arguments)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args = args
+        self.kwargs = kwargs

@@ -1,0 +1,260 @@
+"""Scheduler-side contracts of MultiConnector([NixlConnector, CPU offload]).
+
+Every test drives vLLM's real Scheduler, which builds the MultiConnector and
+its children through the release's own factory.  The CPU-offload child's
+worker is not run here; its completions are reported in the release's
+worker->scheduler protocol by ``OffloadWorkerEmulator`` (see vllm_adapter).
+"""
+
+from __future__ import annotations
+
+from packaging.version import Version
+
+from kvcompat import probes
+from kvcompat import vllm_adapter as va
+
+from conftest import BLOCK, token_ids
+
+
+def _release_at_least(v: str) -> bool:
+    return Version(probes.vllm_version()).release >= Version(v).release
+
+
+def _remote_prefill_request(req_id: str, n_tokens: int):
+    n_blocks = -(-n_tokens // BLOCK)
+    params = va.remote_prefill_params(
+        remote_engine_id="remote-prefill-engine",
+        remote_request_id=f"prefill-{req_id}",
+        remote_block_ids=list(range(1, n_blocks + 1)),
+    )
+    return va.make_request(req_id, token_ids(n_tokens), max_tokens=4, kv_transfer_params=params)
+
+
+def _request_block_ids(engine, req_id: str) -> list[list[int]]:
+    """Block ids the scheduler allocated to a live request, per KV-cache group."""
+    return [list(g) for g in engine.scheduler.kv_cache_manager.get_block_ids(req_id)]
+
+
+# ---------------------------------------------------------------------------
+# 2. load selection: Nixl wins a remote-prefill request
+# ---------------------------------------------------------------------------
+def _warm_offload_cache(engine, prompt: list[int], req_id: str) -> None:
+    """Run a request with ``prompt`` to completion (its stores reported done),
+    then clear the local GPU prefix cache so only the connectors can hit."""
+    engine.scheduler.add_request(va.make_request(req_id, prompt, max_tokens=2))
+    for _ in range(5):
+        engine.step()
+    assert engine.finished_output(req_id) is not None, f"{req_id} did not finish"
+    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the request finished"
+
+
+def test_nixl_wins_load_for_remote_prefill_request(engine):
+    """A decode-side request carrying do_remote_prefill params is loaded by
+    NixlConnector, the first child, even when the CPU-offload child also holds
+    the prompt: MultiConnector reports the whole prompt as an async external
+    hit, binds the request to child 0, and the CPU-offload child plans no load
+    for it."""
+    from vllm.v1.request import RequestStatus
+
+    n = 3 * BLOCK + 5
+    _warm_offload_cache(engine, token_ids(n), "warm-1")
+    req = _remote_prefill_request("decode-1", n)
+    engine.scheduler.add_request(req)
+
+    offload_hit = engine.offload.get_num_new_matched_tokens(req, 0)[0]
+    got = engine.multi.get_num_new_matched_tokens(req, 0)
+    assert got == (n, True), f"MultiConnector returned {got}; CPU-offload child alone would match {offload_hit}"
+    assert engine.multi._requests_to_connector.get(req.request_id) == 0
+
+    so = engine.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert engine.multi._requests_to_connector.get(req.request_id) == 0
+    nixl_meta, offload_meta = so.kv_connector_metadata.metadata
+    assert req.request_id in nixl_meta.reqs_to_recv, "Nixl must be told to pull the remote KV"
+    assert not va.offload_load_work(offload_meta), (
+        f"CPU-offload child must not load this request (its own match: {offload_hit} tokens)"
+    )
+
+
+# ---------------------------------------------------------------------------
+# 3. after a store, the CPU-offload child serves the prefix
+# ---------------------------------------------------------------------------
+def test_offload_child_loads_prefix_after_store_completes(engine):
+    """Once the CPU-offload child has stored a request's full blocks, a new
+    request with the same prompt (local GPU prefix cache cleared, no Nixl
+    params) is loaded by the CPU-offload child: MultiConnector returns all
+    stored tokens as an async load, binds the request to child 1, and only the
+    offload child's metadata carries the load."""
+    from vllm.v1.request import RequestStatus
+
+    prompt = token_ids(3 * BLOCK + 5)
+    first = va.make_request("store-src", prompt, max_tokens=2)
+    engine.scheduler.add_request(first)
+    for _ in range(5):  # prefill, decode, finish, finish-time flushes
+        engine.step()
+    assert engine.finished_output("store-src") is not None, "first request did not finish"
+    assert "store-src" not in engine.scheduler.requests, "first request was never freed"
+    assert engine.emulator.completed_store_events or "store-src" in engine.emulator.finished_sending, (
+        "the CPU-offload child never scheduled a store for the first request"
+    )
+
+    # Drop the local (GPU) prefix cache only; the connector keeps its own.
+    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the store completed"
+
+    second = va.make_request("load-dst", prompt, max_tokens=2)
+    engine.scheduler.add_request(second)
+    assert engine.nixl.get_num_new_matched_tokens(second, 0) == (0, False)
+    toks, load_async = engine.multi.get_num_new_matched_tokens(second, 0)
+    assert toks == 3 * BLOCK, f"expected the 3 stored blocks ({3 * BLOCK} tokens), got {toks}"
+    assert load_async is True
+    assert engine.multi._requests_to_connector.get("load-dst") == 1
+
+    so = engine.step()
+    assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS or second.num_computed_tokens >= toks
+    nixl_meta, offload_meta = so.kv_connector_metadata.metadata
+    assert va.offload_load_work(offload_meta), "the CPU-offload child's metadata carries no load"
+    assert "load-dst" not in nixl_meta.reqs_to_recv
+
+    for _ in range(3):
+        engine.step()
+    assert second.num_computed_tokens >= toks, "loaded tokens were not counted as computed"
+
+
+# ---------------------------------------------------------------------------
+# 4. store goes to all children
+# ---------------------------------------------------------------------------
+def test_store_scheduled_on_offload_child_while_nixl_tracks(engine):
+    """A prefill-side request (do_remote_decode) is handed to every child: the
+    CPU-offload child schedules a store of its full blocks, and NixlConnector
+    tracks the same request for sending (its metadata names it in
+    reqs_to_send / reqs_in_batch and its finish delays the block free)."""
+    # Two output tokens, so the request lives one step after its prefill: some
+    # releases' SimpleCPUOffload (e.g. 0.22.1) store only blocks confirmed
+    # computed in an earlier step and have no finish-time store.
+    prompt = token_ids(3 * BLOCK + 5)
+    req = va.make_request("prefill-1", prompt, max_tokens=2, kv_transfer_params=va.remote_decode_params())
+    engine.scheduler.add_request(req)
+    engine.step()
+    blocks = _request_block_ids(engine, "prefill-1")[0]
+    for _ in range(3):
+        engine.step(report_offload=False)
+
+    store_work = [va.offload_store_work(m.metadata[1]) for m in engine.metas]
+    stored_gpu_blocks: set[int] = set()
+    store_reqs: set[str] = set()
+    for w in store_work:
+        if isinstance(w, dict):
+            store_reqs |= set(w)
+        elif w:
+            stored_gpu_blocks |= set(w)
+    assert store_reqs == {"prefill-1"} or set(blocks[:3]) <= stored_gpu_blocks, (
+        f"CPU-offload child scheduled no store of the request's full blocks {blocks[:3]}: {store_work}"
+    )
+
+    nixl_named = set()
+    for m in engine.metas:
+        nm = m.metadata[0]
+        nixl_named |= set(getattr(nm, "reqs_to_send", {}) or {})
+        nixl_named |= set(getattr(nm, "reqs_in_batch", set()) or set())
+    assert "prefill-1" in nixl_named, "NixlConnector's metadata never named the request"
+    assert "prefill-1" in engine.scheduler.requests, "Nixl's pending send must keep the blocks"
+
+
+# ---------------------------------------------------------------------------
+# 5. metadata aggregation
+# ---------------------------------------------------------------------------
+def test_metadata_one_entry_per_child_in_config_order(engine):
+    """build_connector_meta returns a MultiKVConnectorMetadata with exactly one
+    entry per child, in config order: Nixl's metadata first (carrying the
+    remote-prefill request), the CPU-offload child's second (carrying the store
+    of another request)."""
+    MultiConnector, MultiMeta = va.multi_classes()
+    NixlConnector, NixlMeta = va.nixl_classes()
+    OffloadConnector, OffloadMeta = va.offload_classes()
+
+    assert isinstance(engine.multi, MultiConnector)
+    assert [type(c) for c in engine.multi._connectors] == [
+        type(engine.nixl),
+        type(engine.offload),
+    ]
+    assert isinstance(engine.nixl, NixlConnector)
+    assert isinstance(engine.offload, OffloadConnector)
+
+    remote = _remote_prefill_request("decode-2", 2 * BLOCK + 3)
+    local = va.make_request("local-2", token_ids(3 * BLOCK + 5, start=200), max_tokens=3)
+    engine.scheduler.add_request(remote)
+    engine.scheduler.add_request(local)
+    for _ in range(3):
+        engine.step()
+
+    for meta in engine.metas:
+        assert type(meta) is MultiMeta
+        assert isinstance(meta.metadata, tuple) and len(meta.metadata) == 2
+        assert isinstance(meta.metadata[0], NixlMeta), type(meta.metadata[0])
+        assert isinstance(meta.metadata[1], OffloadMeta), type(meta.metadata[1])
+    assert "decode-2" in engine.metas[0].metadata[0].reqs_to_recv
+    assert any(va.offload_store_work(m.metadata[1]) for m in engine.metas), (
+        "no step carried the CPU-offload child's store work in entry 1"
+    )
+
+
+# ---------------------------------------------------------------------------
+# 6. finishing a plain request
+# ---------------------------------------------------------------------------
+def test_plain_request_finish_has_no_async_save_and_cleans_up(engine):
+    """A request with no transfer params and nothing to store (prompt shorter
+    than a block) finishes through request_finished / request_finished_all_groups
+    (whichever the scheduler calls) with no async save: its blocks are freed at
+    once, no kv_transfer_params are returned, and MultiConnector's per-request
+    bookkeeping is empty."""
+    req = va.make_request("plain-1", token_ids(BLOCK - 7), max_tokens=1)
+    engine.scheduler.add_request(req)
+    engine.step()
+
+    out = engine.finished_output("plain-1")
+    assert out is not None, "request did not finish"
+    assert out.kv_transfer_params is None
+    assert "plain-1" not in engine.scheduler.requests, "blocks kept: an async save was reported"
+    assert "plain-1" not in engine.multi._requests_to_connector
+    assert "plain-1" not in engine.multi._extra_async_saves
+    engine.step()
+    assert not engine.multi._requests_to_connector
+    assert not engine.multi._extra_async_saves
+
+
+# ---------------------------------------------------------------------------
+# 7. prefill side returns Nixl's params
+# ---------------------------------------------------------------------------
+def test_prefill_finish_returns_nixl_transfer_params(engine):
+    """A prefill-side request (do_remote_decode=True) that finishes returns
+    NixlConnector's transfer params through MultiConnector: do_remote_prefill
+    True, remote_engine_id equal to Nixl's engine id, host and port,
+    remote_request_id (from 0.13) and the request's block ids; its blocks are
+    held for the remote decode."""
+    prompt = token_ids(3 * BLOCK + 5)
+    req = va.make_request("prefill-2", prompt, max_tokens=1, kv_transfer_params=va.remote_decode_params())
+    engine.scheduler.add_request(req)
+    engine.step()
+    out = engine.finished_output("prefill-2")
+    assert out is not None, "request did not finish"
+    params = out.kv_transfer_params
+    assert params is not None, "MultiConnector returned no kv_transfer_params"
+
+    engine_id = engine.vllm_config.kv_transfer_config.engine_id
+    assert params["do_remote_prefill"] is True
+    assert params["do_remote_decode"] is False
+    assert params["remote_engine_id"] == engine_id
+    assert params["remote_engine_id"] == engine.nixl._kv_transfer_config.engine_id
+    assert params.get("remote_host")
+    assert isinstance(params.get("remote_port"), int)
+    if _release_at_least("0.13.0"):
+        assert params.get("remote_request_id") == "prefill-2"
+
+    held = _request_block_ids(engine, "prefill-2")
+    rbi = params["remote_block_ids"]
+    if rbi and isinstance(rbi[0], (list, tuple)):
+        assert [list(g) for g in rbi] == held
+    else:
+        assert list(rbi) == held[0]
+    assert "prefill-2" in engine.scheduler.requests, "blocks must be held for the remote read"
+    assert "prefill-2" not in engine.multi._requests_to_connector
