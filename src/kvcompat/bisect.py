@@ -22,7 +22,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from kvcompat.outcomes import Outcome, TestOutcome
-from kvcompat.results import CellResult
+from kvcompat.results import CellResult, headline
 
 
 # Outcomes that say nothing about the test: the release could not be put to it.
@@ -147,8 +147,7 @@ def verdict_for(result: CellResult, test: str) -> Step:
     names = ", ".join(t.nodeid.split("::")[-1] for t in matched if t.outcome in (TestOutcome.FAILED, TestOutcome.ERROR))
     if TestOutcome.FAILED in outcomes or TestOutcome.ERROR in outcomes:
         first = next(t for t in matched if t.outcome in (TestOutcome.FAILED, TestOutcome.ERROR))
-        msg = (first.message or "").strip().splitlines()
-        return Step(version, Verdict.BAD, f"{names}: {first.outcome.value}: {msg[-1][:160] if msg else ''}")
+        return Step(version, Verdict.BAD, f"{names}: {first.outcome.value}: {headline(first.message)}")
     if outcomes == {TestOutcome.PASSED}:
         return Step(version, Verdict.GOOD, f"{len(matched)} matching test(s) passed")
     return Step(version, Verdict.SKIP, "test not applicable to this release")

@@ -22,7 +22,7 @@ from packaging.version import InvalidVersion, Version
 
 from kvcompat.atomic import write_atomic
 from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
-from kvcompat.results import CellResult, TestResult, load_results
+from kvcompat.results import CellResult, TestResult, headline, load_results
 
 MARK = {
     Outcome.PASS: "🟢",
@@ -313,8 +313,7 @@ def render_markdown(rep: Report) -> str:
         out += [f"### {gc.row} / {rep.column(gc)}: {gc.outcome.label}", "", gc.detail or gc.result.detail, ""]
         for t in gc.tests:
             if t.outcome is not TestOutcome.PASSED:
-                lines = (t.message or "").strip().splitlines()
-                out.append(f"- `{short_test(t.nodeid)}` {t.outcome.value}: {lines[-1] if lines else ''}"[:400])
+                out.append(f"- `{short_test(t.nodeid)}` {t.outcome.value}: {headline(t.message)}"[:400])
         if not gc.tests and gc.result.log_tail:
             out += ["", "<details><summary>log tail</summary>", "", "```", gc.result.log_tail[-2000:], "```", "</details>"]
         out.append("")

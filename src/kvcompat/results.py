@@ -122,3 +122,12 @@ def load_results(*dirs: Path) -> list[CellResult]:
 
 def tail(text: str, chars: int = LOG_TAIL_CHARS) -> str:
     return text if len(text) <= chars else "…" + text[-chars:]
+
+
+def headline(message: str | None) -> str:
+    """The telling line of a failure message: the first '...Error: ...' line, else the last line."""
+    lines = [ln.strip().removeprefix("E").strip() for ln in (message or "").strip().splitlines() if ln.strip()]
+    for line in lines:
+        if "Error:" in line or "Exception:" in line:
+            return line[:200]
+    return lines[-1][:200] if lines else ""

@@ -168,3 +168,22 @@ def test_disk_check_refuses_before_building(tmp_path, fake_wheel, make_suite, op
     with pytest.raises(DiskFullError, match=r"GiB free .* needs about .* GiB"):
         run(wheel_cell(fake_wheel()), tmp_path, options)
     assert not (tmp_path / "results").exists()
+
+
+def test_suite_hash_ignores_host_only_modules_but_not_suite_code(tmp_path):
+    from kvcompat.runner import suite_hash
+
+    repo = tmp_path / "repo"
+    (repo / "src" / "kvcompat").mkdir(parents=True)
+    (repo / "tests" / "connectors").mkdir(parents=True)
+    for name in ("report.py", "vllm_adapter.py"):
+        (repo / "src" / "kvcompat" / name).write_text("x = 1\n")
+    (repo / "tests" / "connectors" / "test_a.py").write_text("def test_a(): pass\n")
+    base = suite_hash(repo, "tests/connectors")
+    (repo / "src" / "kvcompat" / "report.py").write_text("x = 2\n")
+    assert suite_hash(repo, "tests/connectors") == base
+    (repo / "src" / "kvcompat" / "vllm_adapter.py").write_text("x = 2\n")
+    changed = suite_hash(repo, "tests/connectors")
+    assert changed != base
+    (repo / "tests" / "connectors" / "test_a.py").write_text("def test_a(): assert 1\n")
+    assert suite_hash(repo, "tests/connectors") != changed
