@@ -8,7 +8,7 @@ Sessions:
   tests    the harness's own tests (no vLLM needed)
 
 Pick the matrix with KVCOMPAT_MATRIX (a table name in pyproject.toml, or path.toml[:name]),
-cells with nox's -k / -t, e.g. `nox -s matrix -k "0.33.0"` or `nox -t vllm-0.32`.
+cells with nox's -k / -t, e.g. `nox -s matrix -k vllm_0_33_0` or `nox -t vllm-0.32`.
 """
 
 from __future__ import annotations

@@ -110,13 +110,14 @@ def render_html(rep: Report) -> str:
     body.append("</table>")
     body.extend(_panel(rep, gc) for gc in rep.ordered())
 
-    transitions = rep.transitions()
-    if transitions:
-        body.append("<h2>Regressions and fixes</h2><table><tr><th>test</th><th>lane</th><th>last passed</th><th>first failed</th><th>fixed in</th></tr>")
-        for t in transitions:
-            cells = [t.last_passed, t.first_failed, ""] if t.kind == "regression" else ["", t.first_failed, t.last_passed]
-            body.append(f"<tr><td><code>{escape(short_test(t.test))}</code></td><td>{escape(t.lane)}</td>"
-                        + "".join(f"<td>{escape(c or '')}</td>" for c in cells) + "</tr>")
+    episodes = rep.episodes()
+    if episodes:
+        body.append("<h2>Regressions and fixes</h2><table><tr><th>test</th><th>lane</th><th>last passed</th>"
+                    "<th>first failed</th><th>last failed</th><th>fixed in</th></tr>")
+        for e in episodes:
+            cells = [e.last_passed or "—", e.first_failed, e.last_failed, e.fixed_in or "not yet"]
+            body.append(f"<tr><td><code>{escape(short_test(e.test))}</code></td><td>{escape(e.lane)}</td>"
+                        + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
         body.append("</table>")
     changes = rep.changes()
     if rep.previous:

@@ -122,14 +122,15 @@ def grid_cells(result: CellResult) -> list[GridCell]:
 
 
 @dataclasses.dataclass
-class Transition:
-    """A test whose outcome changed between two neighbouring releases of one lane."""
+class Episode:
+    """A run of consecutive releases (in one lane) where a test failed or errored."""
 
     test: str
     lane: str
-    last_passed: str | None
-    first_failed: str | None
-    kind: str  # regression | fix
+    last_passed: str | None  # the release before the first failure (None: failing from the first tested one)
+    first_failed: str
+    last_failed: str
+    fixed_in: str | None  # the first passing release after it (None: still failing in the newest tested)
 
 
 @dataclasses.dataclass
@@ -192,29 +193,33 @@ class Report:
         new_pass = sorted(k for k, v in now.items() if v in good and self.previous.get(k) in bad)
         return {"new_failures": new_fail, "new_passes": new_pass}
 
-    def transitions(self) -> list[Transition]:
-        """Per test and lane: the release where it last passed before failing, and where it was fixed."""
+    def episodes(self) -> list[Episode]:
+        """Per test and lane: where it last passed, first and last failed, and was fixed."""
         lanes: dict[tuple, list[GridCell]] = defaultdict(list)
         for gc in self.cells:
             lanes[gc.lane].append(gc)
         out = []
         for lane, cells in lanes.items():
             cells.sort(key=lambda gc: _version_key(gc.result.cell["vllm"]))
-            lane_name = " / ".join(x for x in lane if x != "vllm") if lane[0] == "vllm" else " / ".join(lane)
+            lane_name = " / ".join(x for x in lane if x != "vllm")
             for test in sorted({t.nodeid for gc in cells for t in gc.tests}):
-                prev: tuple[str, TestOutcome] | None = None
+                last_pass: str | None = None
+                open_ep: Episode | None = None
                 for gc in cells:
                     t = next((t for t in gc.tests if t.nodeid == test), None)
                     if t is None or t.outcome is TestOutcome.NOT_APPLICABLE:
                         continue
                     version = gc.result.cell["vllm"]
-                    if prev is not None:
-                        was_bad, is_bad = prev[1] in BAD_TESTS, t.outcome in BAD_TESTS
-                        if not was_bad and is_bad:
-                            out.append(Transition(test, lane_name, prev[0], version, "regression"))
-                        elif was_bad and not is_bad:
-                            out.append(Transition(test, lane_name, version, prev[0], "fix"))
-                    prev = (version, t.outcome)
+                    if t.outcome in BAD_TESTS:
+                        if open_ep is None:
+                            open_ep = Episode(test, lane_name, last_pass, version, version, None)
+                            out.append(open_ep)
+                        open_ep.last_failed = version
+                    else:
+                        if open_ep is not None:
+                            open_ep.fixed_in = version
+                            open_ep = None
+                        last_pass = version
         return out
 
 
@@ -245,7 +250,7 @@ def render_json(rep: Report) -> str:
             "columns": rep.columns,
             "grid": [{"row": gc.row, "column": rep.column(gc), "cell": gc.result.id, "suite": gc.suite,
                       "outcome": gc.outcome.value, "text": gc.text()} for gc in rep.ordered()],
-            "transitions": [dataclasses.asdict(t) for t in rep.transitions()],
+            "episodes": [dataclasses.asdict(e) for e in rep.episodes()],
             "changes": rep.changes(),
             "outcomes": rep.outcomes(),
             "cells": [r.to_json() for r in rep.results],
@@ -271,14 +276,11 @@ def render_markdown(rep: Report) -> str:
     if disagreements:
         out += ["## Suites disagree", ""] + [f"- {d}" for d in disagreements] + [""]
 
-    transitions = rep.transitions()
-    if transitions:
-        out += ["## Regressions and fixes", "", "| test | lane | last passed | first failed | fixed in |", "|---|---|---|---|---|"]
-        for t in transitions:
-            if t.kind == "regression":
-                out.append(f"| `{short_test(t.test)}` | {t.lane} | {t.last_passed} | {t.first_failed} | |")
-            else:
-                out.append(f"| `{short_test(t.test)}` | {t.lane} | | {t.first_failed} | {t.last_passed} |")
+    episodes = rep.episodes()
+    if episodes:
+        out += ["## Regressions and fixes", "", "| test | lane | last passed | first failed | last failed | fixed in |", "|---|---|---|---|---|---|"]
+        for e in episodes:
+            out.append(f"| `{short_test(e.test)}` | {e.lane} | {e.last_passed or '—'} | {e.first_failed} | {e.last_failed} | {e.fixed_in or 'not yet'} |")
         out.append("")
 
     changes = rep.changes()

@@ -37,7 +37,7 @@ def test_malformed_matrix_is_one_line_exit_2(tmp_path):
 
 def test_unknown_matrix_name(tmp_path):
     proc = nox("-l", env={"KVCOMPAT_MATRIX": "nightly"})
-    assert proc.returncode == 2 and "choose one of: default, releases" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "choose one of: default, releases, suites" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_bisect_bad_input_is_one_line_exit_2():

@@ -86,11 +86,13 @@ def test_regressions_and_fixes_per_lane(tmp_path):
     results = tmp_path / "r"
     for v, o in [("0.24.0", "passed"), ("0.25.1", "passed"), ("0.26.0", "failed"), ("0.27.1", "failed"), ("0.28.0", "passed")]:
         write_result(results, result(v, "2.11.0", Outcome.PASS if o == "passed" else Outcome.TEST_FAIL, [("test_fanout", o, "m")]))
+    write_result(results, result("0.29.0", "2.13.0", Outcome.TEST_FAIL, [("test_fanout", "error", "m")]))
     rep = build_report([results])
-    got = [(t.kind, t.last_passed, t.first_failed) for t in rep.transitions()]
-    assert got == [("regression", "0.25.1", "0.26.0"), ("fix", "0.28.0", "0.27.1")]
+    got = [(e.last_passed, e.first_failed, e.last_failed, e.fixed_in) for e in rep.episodes()]
+    assert got == [("0.25.1", "0.26.0", "0.27.1", "0.28.0"), ("0.28.0", "0.29.0", "0.29.0", None)]
     md = render_markdown(rep)
-    assert "| `test_multi.py::test_fanout` | pinned / ours/fake | 0.25.1 | 0.26.0 | |" in md
+    assert "| `test_multi.py::test_fanout` | pinned / ours/fake | 0.25.1 | 0.26.0 | 0.27.1 | 0.28.0 |" in md
+    assert "| `test_multi.py::test_fanout` | pinned / ours/fake | 0.28.0 | 0.29.0 | 0.29.0 | not yet |" in md
 
 
 def test_changes_since_previous_report(tmp_path):
