@@ -21,8 +21,9 @@ from kvcompat import index
 from kvcompat.matrix import NIXL_FAKE, Entry
 
 PYTHON = "3.11"
-# What vLLM's own connector tests import beyond vLLM and pytest.
-UPSTREAM_TEST_REQUIREMENTS: list[str] = []  # every surveyed vLLM release (0.8.5-0.34) accepts 3.11
+# What vLLM's own connector tests import beyond vLLM and pytest: tblib (tests/conftest.py)
+# and ray (test_nixl_connector.py; vLLM itself stopped requiring it after 0.17).
+UPSTREAM_TEST_REQUIREMENTS = ["tblib", "ray"]  # every surveyed vLLM release (0.8.5-0.34) accepts 3.11
 
 
 @dataclasses.dataclass(frozen=True)

@@ -317,7 +317,11 @@ class CellRun:
         if suite == "upstream":
             from kvcompat import upstream  # stdlib-only; fetches vLLM's sdist tests once per release
 
-            up = upstream.prepare(self.cell.vllm, self.opts.repo / ".kvcompat" / "upstream")
+            # platform="cpu": vLLM's CpuPlatform, as for our suite (the official wheels otherwise
+            # resolve to UnspecifiedPlatform here). Engine tests build LLM(...) with real weights,
+            # which cannot exist offline: they are deselected, and the report lists them.
+            up = upstream.prepare(self.cell.vllm, self.opts.repo / ".kvcompat" / "upstream", platform="cpu",
+                                  exclude_engine_tests=True)
             return SuiteRun(path=str(up.path), cwd=Path(up.rootdir), args=list(up.pytest_args), env=dict(up.env))
         raise ValueError(f"unknown suite {suite!r}")
 
@@ -364,7 +368,8 @@ class CellRun:
         detail = f"{counts[TestOutcome.PASSED]}/{len(tests)} tests passed"
         if data.get("deselected"):
             names = ", ".join(sorted(n.split("::")[-1] for n in data["deselected"]))
-            detail += f"; {len(data['deselected'])} not run here ({' '.join(run.args)}): {names}"
+            why = " ".join(run.args[run.args.index("-m"):][:2]) if "-m" in run.args else "deselected"
+            detail += f"; {len(data['deselected'])} not run here ({why}): " + (names if len(names) < 300 else names[:300] + "…")
         return outcome, detail, tests
 
 

@@ -1,0 +1,599 @@
+"""vLLM's own connector unit tests, runnable in a cell as a second suite ("upstream").
+
+The tests come from the vLLM *sdist* of the release under test (the wheels do
+not ship ``tests/``).  Only the connector tests and what they import are
+extracted, into ``cache_dir/<version>/``, which then serves as pytest's rootdir::
+
+    suite = upstream.prepare("0.33.0", cache_dir)
+    cmd = [python, "-m", "pytest", str(suite.path), "-p", "kvcompat.pytest_plugin",
+           f"--kvcompat-json={json}", "--kvcompat-suite=upstream", *suite.pytest_args]
+    subprocess.run(cmd, cwd=suite.rootdir, env={**os.environ, **suite.env})
+
+Nothing is built: the sdist is fetched straight from the index's simple API
+(PEP 691 JSON, hash-verified), because ``pip download`` of an sdist runs the
+PEP 517 metadata hook, i.e. vLLM's ``setup.py`` (torch, cmake).  The tarball
+is read with :mod:`tarfile`; its ``vllm/`` sources are never extracted (they
+would shadow the installed wheel, since the rootdir ends up on ``sys.path``).
+
+Which files are needed is computed, not listed per release: the target test
+files, plus every ``__init__.py``/``conftest.py`` above them, plus, transitively,
+every ``tests.*`` (or relative) module they import anywhere in the file,
+including imports inside functions.
+
+Model ids that the tests pass to ``VllmConfig``/``ModelConfig`` are served from
+an offline Hugging Face hub cache that :func:`hf_offline_cache` writes: real
+hub layout, config files written here, no weights, no download.
+
+This module must stay importable without vLLM, and with only the stdlib.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+
+DEFAULT_INDEX = "https://pypi.org/simple"
+ENV_INDEX = "KVCOMPAT_UPSTREAM_INDEX"  # overrides the index (simple API root) used by fetch_tests
+ENV_PLATFORM = "KVCOMPAT_UPSTREAM_PLATFORM"  # "cpu": the pytest plugin half of this module selects CpuPlatform
+MANIFEST = "kvcompat-upstream.json"
+MANIFEST_FORMAT = 2  # bump when the extraction rules change; older caches are re-extracted
+
+UNIT = "tests/v1/kv_connector/unit"
+# The connector suites we run.  Files or folders (a folder means every test_*.py in it);
+# absent ones are simply absent in that release (see the manifest's "targets").
+TARGETS = (
+    f"{UNIT}/test_nixl_simple_cpu_offload.py",
+    f"{UNIT}/test_multi_connector.py",
+    f"{UNIT}/test_nixl_connector.py",
+    f"{UNIT}/test_simple_cpu_offload_connector.py",
+    f"{UNIT}/test_offloading_connector.py",
+    f"{UNIT}/offloading_connector",
+)
+
+
+class UpstreamError(RuntimeError):
+    """The upstream tests of a release cannot be obtained (no sdist, bad hash, no targets)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UpstreamSuite:
+    """What the runner needs to run one release's upstream connector tests.
+
+    Run ``python -m pytest <path> -p kvcompat.pytest_plugin --kvcompat-json=…
+    --kvcompat-suite=upstream <pytest_args>`` with ``env`` added to the
+    environment and ``cwd=rootdir``.
+    """
+
+    version: str
+    path: Path  # what to hand pytest (the unit-test folder)
+    rootdir: Path  # cwd; holds tests/ and the pytest.ini that pins rootdir and registers markers
+    env: dict[str, str]
+    pytest_args: list[str]
+    targets: list[str]  # target test files found in this release, relative to rootdir
+    model_ids: list[str]  # hub ids the extracted tests mention
+    missing_models: list[str]  # mentioned ids with no config written (tests using them will fail offline)
+    deselected: list[str] = dataclasses.field(default_factory=list)  # --deselect ids, see prepare(exclude_engine_tests=)
+
+
+# --------------------------------------------------------------------------------------
+# fetching
+
+
+def _index_url(index_url: str | None) -> str:
+    return (index_url or os.environ.get(ENV_INDEX) or DEFAULT_INDEX).rstrip("/")
+
+
+def _http_get(url: str, *, accept: str | None = None, timeout: float = 120.0, attempts: int = 2) -> bytes:
+    headers = {"User-Agent": "kvcompat-upstream"}
+    if accept:
+        headers["Accept"] = accept
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
+                return resp.read()
+        except OSError:
+            if attempt + 1 == attempts:
+                raise
+            time.sleep(2)
+    raise AssertionError("unreachable")
+
+
+def sdist_link(version: str, index_url: str | None = None) -> tuple[str, str | None]:
+    """(url, sha256) of ``vllm-<version>.tar.gz`` on the index's simple API (PEP 691 JSON, PEP 503 HTML fallback)."""
+    base = _index_url(index_url)
+    filename = f"vllm-{version}.tar.gz"
+    page = _http_get(f"{base}/vllm/", accept="application/vnd.pypi.simple.v1+json, text/html;q=0.1")
+    try:
+        files = json.loads(page)["files"]
+    except (ValueError, KeyError, TypeError):
+        files = [
+            {"filename": m.group(2).rsplit("/", 1)[-1].split("#")[0], "url": urllib.request.urljoin(f"{base}/vllm/", m.group(2)),
+             "hashes": dict([m.group(2).split("#", 1)[1].split("=", 1)]) if "#sha256=" in m.group(2) else {}}
+            for m in re.finditer(r'<a[^>]*href=(["\'])([^"\']+)\1', page.decode(errors="replace"))
+        ]
+    for f in files:
+        if f.get("filename") == filename:
+            url = urllib.request.urljoin(f"{base}/vllm/", f["url"]).split("#")[0]
+            return url, (f.get("hashes") or {}).get("sha256")
+    raise UpstreamError(f"{base} has no sdist {filename} (some releases, e.g. 0.15.x, were published as wheels only)")
+
+
+def download_sdist(version: str, dest_dir: Path, index_url: str | None = None) -> Path:
+    """Download ``vllm-<version>.tar.gz`` into ``dest_dir`` and check its sha256; builds nothing."""
+    url, sha = sdist_link(version, index_url)
+    data = _http_get(url, timeout=600.0)
+    digest = hashlib.sha256(data).hexdigest()
+    if sha and digest != sha:
+        raise UpstreamError(f"sha256 mismatch for {url}: index says {sha}, got {digest}")
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    path = dest_dir / url.rsplit("/", 1)[-1]
+    path.write_bytes(data)
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# selecting what to extract
+
+
+def read_sdist(sdist: Path) -> tuple[set[str], dict[str, bytes]]:
+    """All member paths (top folder stripped) and the bytes of ``tests/**.py`` and ``pyproject.toml``."""
+    names: set[str] = set()
+    sources: dict[str, bytes] = {}
+    with tarfile.open(sdist, "r:*") as tar:
+        for member in tar:
+            parts = PurePosixPath(member.name).parts
+            if len(parts) < 2 or not member.isfile() or ".." in parts:
+                continue
+            rel = "/".join(parts[1:])
+            names.add(rel)
+            if (rel.startswith("tests/") and rel.endswith(".py")) or rel == "pyproject.toml":
+                sources[rel] = tar.extractfile(member).read()  # type: ignore[union-attr]
+    return names, sources
+
+
+def _module_files(module: str, sources: dict[str, bytes]) -> list[str]:
+    base = module.replace(".", "/")
+    return [p for p in (base + ".py", base + "/__init__.py") if p in sources]
+
+
+def _imported_modules(path: str, source: bytes) -> tuple[set[str], bool]:
+    """Dotted names a file may import (absolute, relative ones resolved), at any depth; and whether it parsed."""
+    try:
+        tree = ast.parse(source, filename=path)
+    except SyntaxError:
+        return set(), False
+    package = path.rsplit("/", 1)[0].split("/")
+    if path.endswith("/__init__.py"):
+        package = path[: -len("/__init__.py")].split("/")
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytest_plugins" for t in node.targets):
+            value = node.value
+            elts = value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value]
+            found.update(e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str))
+    return found, True
+
+
+def select_files(names: Iterable[str], sources: dict[str, bytes], targets: Iterable[str] = TARGETS) -> tuple[list[str], list[str], list[str]]:
+    """(target test files present, every file to extract, files that failed to parse).
+
+    Targets are files or folders; the closure adds the ``__init__.py`` and
+    ``conftest.py`` of every folder from ``tests/`` down to each selected file
+    and, transitively, every module of the sdist's ``tests`` tree it imports.
+    """
+    names = set(names)
+    found: list[str] = []
+    queue: list[str] = []
+    for target in targets:
+        if target.endswith(".py"):
+            if target in sources:
+                found.append(target)
+                queue.append(target)
+        else:
+            inside = sorted(p for p in sources if p.startswith(target + "/"))
+            found += [p for p in inside if PurePosixPath(p).name.startswith("test_")]
+            queue += inside  # helpers, conftest and __init__ of the folder too
+    selected: set[str] = set()
+    unparsable: list[str] = []
+    while queue:
+        path = queue.pop()
+        if path in selected:
+            continue
+        selected.add(path)
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            queue += [p for p in (f"{folder}/__init__.py", f"{folder}/conftest.py") if p in sources and p not in selected]
+        modules, ok = _imported_modules(path, sources[path])
+        if not ok:
+            unparsable.append(path)
+        for module in modules:
+            if module == "tests" or module.startswith("tests."):
+                queue += [p for p in _module_files(module, sources) if p not in selected]
+    assert selected <= names | set(sources)
+    return sorted(found), sorted(selected), sorted(unparsable)
+
+
+def _pytest_ini(pyproject: bytes | None) -> str:
+    """Our rootdir's pytest.ini: pins rootdir, registers upstream's markers; nothing else of upstream's config."""
+    markers: list[str] = []
+    if pyproject:
+        try:
+            import tomllib
+
+            markers = tomllib.loads(pyproject.decode())["tool"]["pytest"]["ini_options"].get("markers", [])
+        except (ValueError, KeyError, TypeError):
+            markers = []
+    lines = ["# written by kvcompat.upstream; markers copied from the sdist's pyproject.toml", "[pytest]"]
+    if markers:
+        lines.append("markers =")
+        lines += [f"    {m}" for m in markers]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------
+# model ids
+
+_HUB_ID = re.compile(r"""["']((?:[A-Za-z0-9][A-Za-z0-9_.-]*)/(?:[A-Za-z0-9][A-Za-z0-9_.-]*))["']""")
+_NOT_HUB_ORGS = {"tests", "vllm", "v1", "tmp", "test", "dev", "usr", "proc", "sys", "home", "data", "models", "path", "some", "fake", "dummy", "mock", "foo", "remote"}
+
+
+def model_ids_in(sources: Iterable[bytes]) -> list[str]:
+    """Hub-id-looking string literals (``org/name``) in test sources; filesystem-ish ones dropped."""
+    ids: set[str] = set()
+    for source in sources:
+        for m in _HUB_ID.finditer(source.decode(errors="replace")):
+            org, name = m.group(1).split("/")
+            if org.lower() in _NOT_HUB_ORGS or name.endswith((".py", ".json", ".txt", ".so")) or org.startswith("."):
+                continue
+            ids.add(m.group(1))
+    return sorted(ids)
+
+
+# --------------------------------------------------------------------------------------
+# fetch_tests
+
+
+def fetch_tests(version: str, cache_dir: Path, *, index_url: str | None = None, sdist: Path | None = None) -> Path:
+    """Extract the connector tests of ``vllm==version`` into ``cache_dir/<version>/``; return that folder.
+
+    Cached: a folder with a current manifest is returned at once.  Extraction
+    goes to a temp folder beside it and is renamed into place, so readers never
+    see half a tree and concurrent callers are safe (the first rename wins).
+    ``sdist`` uses a local tarball instead of downloading.
+    """
+    cache_dir = Path(cache_dir).resolve()
+    dest = cache_dir / version
+    if _manifest(dest).get("format") == MANIFEST_FORMAT:
+        return dest
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=cache_dir))
+    try:
+        tarball = sdist or download_sdist(version, tmp / "_sdist", index_url)
+        names, sources = read_sdist(tarball)
+        targets, files, unparsable = select_files(names, sources)
+        if not targets:
+            raise UpstreamError(f"the vllm {version} sdist has none of the connector tests {list(TARGETS)}")
+        tree = tmp / "tree"
+        for rel in files:
+            out = tree / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(sources[rel])
+        (tree / "pytest.ini").write_text(_pytest_ini(sources.get("pyproject.toml")))
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": version,
+            "sdist": tarball.name,
+            "sdist_sha256": hashlib.sha256(tarball.read_bytes()).hexdigest(),
+            "targets": targets,
+            "absent_targets": [t for t in TARGETS if not any(f == t or f.startswith(t + "/") for f in targets)],
+            "files": files,
+            "unparsable": unparsable,
+            # from the connector tests and their helpers only (tests/models/registry.py lists hundreds)
+            "model_ids": model_ids_in(sources[f] for f in files if f.startswith("tests/v1/")),
+        }
+        (tree / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        try:
+            os.rename(tree, dest)
+        except OSError:
+            if _manifest(dest).get("format") != MANIFEST_FORMAT:  # not a concurrent winner: a stale tree
+                stale = cache_dir / f".{version}.stale.{os.getpid()}"
+                os.rename(dest, stale)
+                os.rename(tree, dest)
+                shutil.rmtree(stale, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _manifest(root: Path) -> dict:
+    try:
+        return json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def manifest(root: Path) -> dict:
+    """The manifest fetch_tests wrote into ``root`` (targets, files, model ids, sdist hash)."""
+    return _manifest(root)
+
+
+# --------------------------------------------------------------------------------------
+# offline Hugging Face cache
+
+# Architecture configs for the hub ids the connector tests use.  Values follow
+# the public config.json of each model (layers, heads, sizes matter: tests size
+# KV caches from them); no weights are ever written.
+_LLAMA_3_2_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "max_position_embeddings": 131072, "vocab_size": 128256, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+}
+_OPT = {
+    "architectures": ["OPTForCausalLM"], "model_type": "opt", "activation_function": "relu", "do_layer_norm_before": True,
+    "dropout": 0.1, "attention_dropout": 0.0, "enable_bias": True, "layer_norm_elementwise_affine": True,
+    "max_position_embeddings": 2048, "vocab_size": 50272, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2,
+    "torch_dtype": "float16", "prefix": "</s>", "init_std": 0.02, "layerdrop": 0.0, "use_cache": True,
+}
+MODEL_CONFIGS: dict[str, dict] = {
+    "facebook/opt-125m": {**_OPT, "hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12,
+                          "num_attention_heads": 12, "word_embed_proj_dim": 768},
+    "facebook/opt-350m": {**_OPT, "hidden_size": 1024, "ffn_dim": 4096, "num_hidden_layers": 24,
+                          "num_attention_heads": 16, "word_embed_proj_dim": 512, "do_layer_norm_before": False},
+    "Qwen/Qwen3-0.6B": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "max_window_layers": 28, "vocab_size": 151936, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000, "rope_scaling": None, "hidden_act": "silu", "attention_bias": False,
+        "attention_dropout": 0.0, "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645, "use_cache": True,
+    },
+    "meta-llama/Llama-3.2-1B-Instruct": _LLAMA_3_2_1B,
+    "meta-llama/Llama-3.2-1B": {**_LLAMA_3_2_1B, "eos_token_id": 128001},
+    "meta-llama/Llama-3.1-8B": {
+        **_LLAMA_3_2_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
+        "rope_scaling": {**_LLAMA_3_2_1B["rope_scaling"], "factor": 8.0}, "tie_word_embeddings": False,
+        "eos_token_id": 128001,
+    },
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        **_LLAMA_3_2_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
+        "rope_scaling": {**_LLAMA_3_2_1B["rope_scaling"], "factor": 8.0}, "tie_word_embeddings": False,
+    },
+    "meta-llama/Meta-Llama-3-8B-Instruct": {
+        **_LLAMA_3_2_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
+        "max_position_embeddings": 8192, "rope_scaling": None, "tie_word_embeddings": False, "eos_token_id": 128009,
+    },
+}
+# A fixed, fake commit hash: refs/main points at it, the snapshot folder is named after it.
+SNAPSHOT_REVISION = "6b76636f6d706174000000000000000000000001"
+
+
+def _repo_folder(model_id: str) -> str:
+    return "models--" + model_id.replace("/", "--")
+
+
+def _generation_config(config: dict) -> dict:
+    return {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config} | {"_from_model_config": True}
+
+
+def hf_offline_cache(dest: Path, model_ids: list[str]) -> dict[str, str]:
+    """Write an offline hub cache under ``dest`` for ``model_ids``; return the env vars that select it.
+
+    Layout (huggingface_hub's own): ``dest/hub/models--org--name/{refs/main,
+    snapshots/<rev>/config.json, generation_config.json}``.  No weights
+    and no tokenizer: the connector tests build configs, never an engine that
+    serves text.  Raises KeyError for an id with no config in MODEL_CONFIGS.
+    Idempotent; files are written atomically.
+    """
+    dest = Path(dest)
+    hub = dest / "hub"
+    for model_id in model_ids:
+        config = MODEL_CONFIGS[model_id]
+        repo = hub / _repo_folder(model_id)
+        snap = repo / "snapshots" / SNAPSHOT_REVISION
+        files = {
+            "config.json": json.dumps({**config, "_name_or_path": model_id}, indent=1) + "\n",
+            "generation_config.json": json.dumps(_generation_config(config), indent=1) + "\n",
+        }
+        for name, text in files.items():
+            _write_if_changed(snap / name, text)
+        _write_if_changed(repo / "refs" / "main", SNAPSHOT_REVISION)
+    return {
+        "HF_HOME": str(dest),
+        "HF_HUB_CACHE": str(hub),
+        "HUGGINGFACE_HUB_CACHE": str(hub),  # older huggingface_hub / transformers spellings
+        "TRANSFORMERS_CACHE": str(hub),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
+    from kvcompat.atomic import write_atomic
+
+    write_atomic(path, text)
+
+
+# --------------------------------------------------------------------------------------
+# tests that start a whole engine on a real model
+
+
+def engine_tests(path: str, source: bytes, constructors: tuple[str, ...] = ("LLM",)) -> list[str]:
+    """``--deselect`` ids for the tests of one file that build an ``LLM(...)`` engine.
+
+    Found statically: a test function (module level or in a ``Test*`` class)
+    that calls a constructor directly or through a module-level function of the
+    same file.  Such tests need the model's weights and tokenizer, which the
+    offline cache does not (and must not) provide.  pytest's ``--deselect`` is
+    a prefix match, so a parametrized test gets ``id[`` and a test whose name
+    prefixes another test's name is left alone rather than over-matched.
+    """
+    try:
+        tree = ast.parse(source, filename=path)
+    except SyntaxError:
+        return []
+
+    def calls(fn: ast.AST) -> set[str]:
+        return {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+
+    funcs: dict[str, ast.AST] = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    builds = {name for name, fn in funcs.items() if calls(fn) & set(constructors)}
+    changed = True
+    while changed:  # helpers calling helpers
+        grown = {name for name, fn in funcs.items() if calls(fn) & builds} | builds
+        changed, builds = grown != builds, grown
+    tests: list[tuple[str, ast.AST]] = [(n, f) for n, f in funcs.items() if n.startswith("test")]
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.startswith("Test")):
+        tests += [(f"{cls.name}::{f.name}", f) for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name.startswith("test")]
+    names = [n for n, _ in tests]
+    out = []
+    for name, fn in tests:
+        if not (calls(fn) & (builds | set(constructors))):
+            continue
+        parametrized = any("parametrize" in ast.unparse(d) for d in fn.decorator_list)  # type: ignore[attr-defined]
+        if parametrized:
+            out.append(f"{path}::{name}[")
+        elif not any(other != name and other.startswith(name) for other in names):
+            out.append(f"{path}::{name}")
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# prepare
+
+
+def prepare(version: str, cache_dir: Path, *, index_url: str | None = None, platform: str = "native",
+            exclude_engine_tests: bool = False) -> UpstreamSuite:
+    """Fetch (cached) the upstream connector tests of ``version`` and say how to run them.
+
+    ``platform``: ``"native"`` leaves vLLM's own platform detection alone (the
+    official CUDA wheels resolve to UnspecifiedPlatform on a GPU-less box);
+    ``"cpu"`` selects vLLM's CpuPlatform, as our own suite does: it sets
+    ``VLLM_TARGET_DEVICE=cpu`` (honoured from 0.28.0) and loads this module as
+    a pytest plugin (``-p kvcompat.upstream``), which sets
+    ``vllm.platforms._current_platform`` for older releases before any
+    conftest imports vLLM, and stops the run (usage error) if the platform
+    is not CpuPlatform afterwards.
+
+    ``exclude_engine_tests`` deselects the tests that build a whole ``LLM``
+    engine on a hub model (see :func:`engine_tests`); without weights they can
+    only fail.  Off by default: what is deselected is listed in ``deselected``.
+    """
+    cache_dir = Path(cache_dir).resolve()
+    root = fetch_tests(version, cache_dir, index_url=index_url)
+    info = _manifest(root)
+    mentioned = list(info.get("model_ids", []))
+    known = [m for m in mentioned if m in MODEL_CONFIGS]
+    env = hf_offline_cache(cache_dir / "hf", known)
+    env.update({
+        "PYTHONDONTWRITEBYTECODE": "1",  # keep the shared extracted tree pristine
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    })
+    pytest_args = ["-p", "no:cacheprovider", f"--rootdir={root}"]
+    if platform == "cpu":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        env[ENV_PLATFORM] = "cpu"
+        pytest_args += ["-p", "kvcompat.upstream"]  # selects CpuPlatform before upstream's conftest imports vLLM
+    elif platform != "native":
+        raise ValueError(f"platform must be 'native' or 'cpu', not {platform!r}")
+    targets = list(info["targets"])
+    # Test modules outside the targets that a target imports (e.g. test_nixl_connector.py's
+    # FakeNixlWrapper, or tests/v1/simple_kv_offload/test_scheduler.py's helpers) are extracted
+    # as helpers; only those under the collected folder need keeping out of collection.
+    for rel in info["files"]:
+        name = PurePosixPath(rel).name
+        if rel.startswith(UNIT + "/") and name.startswith("test_") and rel not in targets:
+            pytest_args.append(f"--ignore={rel}")  # helper module, not a selected suite
+    deselected: list[str] = []
+    if exclude_engine_tests:
+        for rel in targets:
+            # needs the model's weights and tokenizer (an LLM engine end to end); the offline cache has configs only
+            deselected += engine_tests(rel, (root / rel).read_bytes())
+        pytest_args += [f"--deselect={d}" for d in deselected]
+    return UpstreamSuite(
+        version=version, path=root / UNIT, rootdir=root, env=env, pytest_args=pytest_args,
+        targets=targets, model_ids=mentioned, missing_models=[m for m in mentioned if m not in MODEL_CONFIGS],
+        deselected=deselected,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# pytest plugin half (``-p kvcompat.upstream``), active only with KVCOMPAT_UPSTREAM_PLATFORM=cpu
+
+_platform_note: str | None = None
+
+
+def select_cpu_platform() -> str:
+    """Make vLLM's ``current_platform`` a CpuPlatform in this process; return how.  Imports vLLM.
+
+    Raises if it cannot, or if an already-imported vLLM module holds the
+    platform vLLM resolved first (it would keep using it).
+    """
+    import sys
+
+    import vllm.platforms as platforms
+
+    how = "VLLM_TARGET_DEVICE=cpu"
+    first = platforms.current_platform
+    if type(first).__name__ != "CpuPlatform":  # the release ignores VLLM_TARGET_DEVICE
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms._current_platform = CpuPlatform()
+        how = f"vllm.platforms._current_platform = CpuPlatform() (the release resolved {type(first).__name__})"
+        stale = sorted(name for name, mod in list(sys.modules.items())
+                       if name.startswith("vllm") and getattr(mod, "current_platform", None) is first)
+        if stale:
+            raise RuntimeError(f"{how}, but these modules already hold the old platform: {', '.join(stale)}")
+    got = type(platforms.current_platform).__name__
+    if got != "CpuPlatform":
+        raise RuntimeError(f"could not select CpuPlatform ({how}); vLLM resolved {got}")
+    return how
+
+
+def pytest_load_initial_conftests(early_config, parser, args) -> None:  # pragma: no cover - runs in cells
+    global _platform_note
+    if os.environ.get(ENV_PLATFORM) != "cpu":
+        return
+    import pytest
+
+    try:
+        _platform_note = select_cpu_platform()
+    except Exception as exc:  # noqa: BLE001 - any failure here must stop the run, visibly
+        raise pytest.UsageError(f"kvcompat.upstream: {type(exc).__name__}: {exc}") from exc
+
+
+def pytest_report_header(config) -> str | None:  # pragma: no cover - runs in cells
+    return f"kvcompat upstream platform: CpuPlatform via {_platform_note}" if _platform_note else None
