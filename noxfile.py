@@ -61,7 +61,10 @@ def report(session: nox.Session) -> None:
     """Merge results/ (or the folders given after --, from any number of machines) into reports/compat.*."""
     from kvcompat.report import print_table
 
-    rep, paths = update_report(ROOT, [Path(p) for p in session.posargs] or [ROOT / "results"])
+    # Posargs meant for the matrix cells (--force, pytest options) reach a notified report too:
+    # only existing folders count as result folders.
+    dirs = [Path(p) for p in session.posargs if Path(p).is_dir()]
+    rep, paths = update_report(ROOT, dirs or [ROOT / "results"])
     print_table(rep)
     session.log("wrote " + ", ".join(str(p.relative_to(ROOT)) for p in paths))
 
