@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -67,6 +68,7 @@ class RunOptions:
     # An unchanged cell is confirmed by an offline resolution (0.3 s) only while its
     # last online resolution is younger than this; after that the index is asked again.
     lock_ttl_s: float = 3600.0
+    heartbeat_s: float = 30.0  # how often a long phase says it is still running
 
     @property
     def work_root(self) -> Path:
@@ -148,7 +150,10 @@ class CellRun:
             return ""
 
     def sh(self, cmd: list[str], *, timeout: float, env: dict | None = None, phase: str, cwd: Path | None = None) -> tuple[int | None, str]:
-        """Run ``cmd`` in its own process group, logging its output; rc is None on timeout."""
+        """Run ``cmd`` in its own process group, streaming its output to the cell log; rc is None on timeout.
+
+        Long commands say every ``heartbeat_s`` that they are still running, with their last line.
+        """
         self.log(f"$ {' '.join(map(str, cmd))}")
         full_env = {**os.environ, **CELL_ENV, **(env or {})}
         full_env.pop("VIRTUAL_ENV", None)
@@ -156,19 +161,43 @@ class CellRun:
             [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=full_env, cwd=cwd or self.opts.repo, start_new_session=True, errors="replace",
         )
+        lines: list[str] = []
+
+        def pump() -> None:
+            with self.log_path.open("a") as log:
+                for line in proc.stdout:  # type: ignore[union-attr]
+                    lines.append(line)
+                    log.write(line)
+                    log.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        t0 = time.monotonic()
+        rc: int | None = None
         try:
-            out, _ = proc.communicate(timeout=timeout)
-            rc: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            out, _ = proc.communicate()
-            rc = None
-            out = (out or "") + f"\n[kvcompat] {phase} killed after {timeout:.0f}s timeout\n"
+            while True:
+                elapsed = time.monotonic() - t0
+                try:
+                    rc = proc.wait(timeout=max(0.05, min(self.opts.heartbeat_s, timeout - elapsed)))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() - t0 >= timeout:
+                        _kill_group(proc)
+                        proc.wait()
+                        break
+                    last = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+                    self.say(f"{phase} still running after {time.monotonic() - t0:.0f}s" + (f": {last[-100:]}" if last else ""))
         except BaseException:  # Ctrl-C: take the whole process group down with us
             _kill_group(proc)
             raise
-        self.log(out or "")
-        return rc, out or ""
+        finally:
+            reader.join(timeout=30)
+        out = "".join(lines)
+        if rc is None:
+            note = f"[kvcompat] {phase} killed after {timeout:.0f}s timeout\n"
+            self.log(note)
+            out += "\n" + note
+        return rc, out
 
     @contextlib.contextmanager
     def timed(self, phase: str):

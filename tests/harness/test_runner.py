@@ -187,3 +187,11 @@ def test_suite_hash_ignores_host_only_modules_but_not_suite_code(tmp_path):
     assert changed != base
     (repo / "tests" / "connectors" / "test_a.py").write_text("def test_a(): assert 1\n")
     assert suite_hash(repo, "tests/connectors") != changed
+
+
+def test_long_phases_report_progress(tmp_path, fake_wheel, make_suite, opts):
+    suite = make_suite(test_slow="import time\n\ndef test_slow():\n    print('working on it', flush=True)\n    time.sleep(4)\n")
+    lines: list[str] = []
+    result = run(wheel_cell(fake_wheel()), tmp_path, opts(suite, heartbeat_s=1), lines)
+    assert result.outcome is Outcome.PASS
+    assert any("test still running after" in line for line in lines)
