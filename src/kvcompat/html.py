@@ -34,12 +34,15 @@ th{background:#f6f8fa}
 table.grid td.cell{padding:0} table.grid td.cell a{display:block;padding:8px 12px;text-decoration:none;font-weight:600;min-width:130px}
 table.grid td.cell a:hover{outline:2px solid #0969da}
 .legend span{display:inline-block;margin-right:12px;padding:2px 8px;border-radius:4px;font-size:12px}
-.panel{display:none;border:2px solid #0969da;border-radius:6px;padding:12px 16px;margin:16px 0;background:#fff}
-.panel:target{display:block}
+.panel{display:none;border:2px solid #0969da;border-radius:6px;padding:12px 16px;background:#fff}
+/* a drawer over the right half: the grid stays in view beside the drill-down */
+.panel:target{display:block;position:fixed;top:12px;right:12px;width:min(760px,55vw);max-height:calc(100vh - 24px);
+  overflow:auto;box-shadow:0 8px 24px rgba(0,0,0,.25);z-index:10}
 .panel h3{margin:0 0 8px;font-size:15px}
 pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px;white-space:pre-wrap}
 .tag{display:inline-block;padding:1px 6px;border-radius:4px;font-size:12px;font-weight:600}
 .small{font-size:12px;color:#57606a} a.close{float:right}
+.panel table{width:100%} .panel td code{word-break:break-all}
 """
 
 
