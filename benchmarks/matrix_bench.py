@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from packaging.tags import sys_tags  # noqa: E402
-from packaging.utils import canonicalize_name, parse_wheel_filename  # noqa: E402
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename  # noqa: E402
 
 from kvcompat.index import parse_lock  # noqa: E402
 
@@ -122,7 +122,10 @@ def wheel_floor(locks: list[Path]) -> tuple[int, int]:
         for f in files:
             if not f["filename"].endswith(".whl"):
                 continue
-            n, ver, _, ftags = parse_wheel_filename(f["filename"])
+            try:
+                n, ver, _, ftags = parse_wheel_filename(f["filename"])
+            except InvalidWheelFilename:  # ancient uploads with non-standard names
+                continue
             if canonicalize_name(n) != name or str(ver) != version:
                 continue
             rank = min((tags[str(t)] for t in ftags if str(t) in tags), default=None)
@@ -151,16 +154,20 @@ def main() -> int:
         rx = rx_bytes()
         results["naive"] = naive(args.releases, work, log)
         net["naive"] = rx_bytes() - rx
+        print(f"  naive received {gib(net['naive'])}")
 
     print("nox cold: empty uv cache, fresh venvs")
     disk: list[tuple[str, int]] = []
     rx = rx_bytes()
     results["cold"] = nox_cells(project, args.releases, env, log, disk=disk)
     net["cold"] = rx_bytes() - rx
+    print(f"  cold: {results['cold']}  ({gib(net['cold'])} received)")
     print("nox warm: venvs and cache reused, tests rerun (--force)")
     results["warm"] = nox_cells(project, args.releases, env, log, "--force")
+    print(f"  warm: {results['warm']}")
     print("nox unchanged: same lock and suite, answered from the result cache")
     results["unchanged"] = nox_cells(project, args.releases, env, log)
+    print(f"  unchanged: {results['unchanged']}")
 
     statuses = {p.stem: json.loads(p.read_text())["outcome"] for p in (project / "results").glob("*.json")}
     floor, nwheels = wheel_floor(sorted((project / ".kvcompat" / "cells").glob("*/lock.txt")))
