@@ -190,3 +190,21 @@ def single_rank_distributed(release, tiny_model_dir):
             )
             ps.initialize_model_parallel(1, 1)
     yield
+
+
+def build_worker(engine, build):
+    """Build a WORKER-role connector for ``engine`` with ``build(cfg, role, kv_cache_config)``.
+
+    The KV-cache layout is resolved as EngineCore does first; CPU affinity is restored
+    afterwards, since Nixl's CPU path pins the process to one core.
+    """
+    from vllm.config import set_current_vllm_config
+
+    cfg, kvc = engine.vllm_config, engine.kv_cache_config
+    va.resolve_kv_cache_layout(cfg, kvc)
+    affinity = os.sched_getaffinity(0)
+    try:
+        with set_current_vllm_config(cfg):
+            return build(cfg, va.kv_connector_role().WORKER, kvc)
+    finally:
+        os.sched_setaffinity(0, affinity)

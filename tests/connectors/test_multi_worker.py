@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import tempfile
 from typing import Any
 
 import pytest
@@ -23,26 +22,7 @@ import pytest
 from kvcompat import vllm_adapter as va
 from kvcompat.fake_nixl import FakeNixlWrapper
 
-from conftest import BLOCK, token_ids
-
-
-@pytest.fixture(scope="module")
-def distributed(release, tiny_model_dir):
-    """World-size-1 gloo process group + TP/PP groups, as a single-rank worker has."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        with set_current_vllm_config(va.make_vllm_config(tiny_model_dir)):
-            ps.init_distributed_environment(
-                world_size=1,
-                rank=0,
-                local_rank=0,
-                backend="gloo",
-                distributed_init_method=f"file://{tempfile.mktemp(prefix='kvcompat-dist-')}",
-            )
-            ps.initialize_model_parallel(1, 1)
-    yield
+from conftest import BLOCK, build_worker, token_ids
 
 
 @pytest.fixture
@@ -56,36 +36,23 @@ def fake_nixl(monkeypatch, release):
     FakeNixlWrapper.reset()
 
 
-def _build_worker(engine, build):
-    from vllm.config import set_current_vllm_config
-
-    cfg, kvc = engine.vllm_config, engine.kv_cache_config
-    va.resolve_kv_cache_layout(cfg, kvc)
-    affinity = os.sched_getaffinity(0)
-    try:
-        with set_current_vllm_config(cfg):
-            return build(cfg, va.kv_connector_role().WORKER, kvc)
-    finally:
-        os.sched_setaffinity(0, affinity)  # Nixl's CPU path pins the process
-
-
 @pytest.fixture
-def worker_multi(make_engine, fake_nixl, distributed):
+def worker_multi(make_engine, fake_nixl, single_rank_distributed):
     """A WORKER-role MultiConnector built by the release's factory, on CPU."""
     engine = make_engine(num_blocks=16)
     affinity = os.sched_getaffinity(0)
-    multi = _build_worker(engine, va.create_connector)
+    multi = build_worker(engine, va.create_connector)
     yield engine, multi
     multi.shutdown()
     os.sched_setaffinity(0, affinity)
 
 
 @pytest.fixture
-def worker_nixl_child(make_engine, fake_nixl, distributed):
+def worker_nixl_child(make_engine, fake_nixl, single_rank_distributed):
     """Only the Nixl child, built the way MultiConnector builds its child 0."""
     engine = make_engine(num_blocks=16)
     affinity = os.sched_getaffinity(0)
-    nixl = _build_worker(
+    nixl = build_worker(
         engine, lambda cfg, role, kvc: va.multi_child_connector(cfg, role, kvc, 0)
     )
     yield engine, nixl

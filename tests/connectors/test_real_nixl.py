@@ -39,7 +39,7 @@ import pytest
 from kvcompat import vllm_adapter as va
 from kvcompat.outcomes import not_applicable
 
-from conftest import BLOCK, token_ids
+from conftest import BLOCK, build_worker, token_ids
 
 pytestmark = pytest.mark.real_nixl
 
@@ -85,19 +85,6 @@ class Side:
     caches: dict[str, Any]
 
 
-def _build_worker(engine, build) -> Any:
-    from vllm.config import set_current_vllm_config
-
-    cfg, kvc = engine.vllm_config, engine.kv_cache_config
-    va.resolve_kv_cache_layout(cfg, kvc)
-    affinity = os.sched_getaffinity(0)
-    try:
-        with set_current_vllm_config(cfg):
-            return build(cfg, va.kv_connector_role().WORKER, kvc)
-    finally:
-        os.sched_setaffinity(0, affinity)  # Nixl's CPU path pins the process
-
-
 def _make_side(make_engine, name: str, engine_id: str, fill: bool, build) -> Side:
     import torch
     from vllm.config import set_current_vllm_config
@@ -106,7 +93,7 @@ def _make_side(make_engine, name: str, engine_id: str, fill: bool, build) -> Sid
         num_blocks=NUM_BLOCKS,
         kv_transfer_config=va.multi_kv_transfer_config(BLOCK, NUM_BLOCKS, engine_id=engine_id),
     )
-    worker = _build_worker(engine, build)
+    worker = build_worker(engine, build)
     caches = va.make_kv_caches(engine.kv_cache_config)
     if fill:
         gen = torch.Generator().manual_seed(1234)

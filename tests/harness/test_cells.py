@@ -1,6 +1,5 @@
 """Matrix entries -> cells: range expansion, torch pins and overrides, ids for nox and files."""
 
-from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version

@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 
 SUITE = '''
 import pytest
