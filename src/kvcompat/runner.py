@@ -187,11 +187,10 @@ class CellRun:
                         break
                     last = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
                     self.say(f"{phase} still running after {time.monotonic() - t0:.0f}s" + (f": {last[-100:]}" if last else ""))
-        except BaseException:  # Ctrl-C: take the whole process group down with us
+        except BaseException:  # Ctrl-C: take the whole process group down with us, and go
             _kill_group(proc)
             raise
-        finally:
-            reader.join(timeout=30)
+        reader.join(timeout=30)
         out = "".join(lines)
         if rc is None:
             note = f"[kvcompat] {phase} killed after {timeout:.0f}s timeout\n"

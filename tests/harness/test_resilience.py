@@ -54,10 +54,10 @@ def project(tmp_path):
     return root
 
 
-def nox(root, *args, env=None, **kw):
+def nox(root, *args, env=None, stdout=subprocess.PIPE):
     return subprocess.Popen([sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True, **kw)
+                            stdout=stdout, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
 
 
 def wait_for(pred, timeout=180):
@@ -76,13 +76,19 @@ def results(root):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_killed_matrix_resumes_only_unfinished_cells(project, sig):
     finished, hung = "vllm-0.0.2-wheel__torch-pinned", "vllm-0.0.1-wheel__torch-pinned"
-    proc = nox(project, "-s", "matrix", env={"KVCOMPAT_TEST_HANG": "1"})
+    out_path = project / "killed-run.log"
+    with out_path.open("w") as out:  # a file, not a pipe: nobody reads while we wait
+        proc = nox(project, "-s", "matrix", env={"KVCOMPAT_TEST_HANG": "1"}, stdout=out)
     # Cells run newest first: 0.0.2 finishes, then 0.0.1 hangs inside pytest.
     hung_log = project / ".kvcompat" / "cells" / hung / "cell.log"
     assert wait_for(lambda: hung_log.exists() and "-m pytest" in hung_log.read_text(errors="ignore"))
     time.sleep(2)
     os.killpg(proc.pid, sig)
-    proc.wait(timeout=60)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"nox did not exit within 120 s of {sig.name}:\n{out_path.read_text()[-3000:]}")
     assert sorted(results(project)) == [f"{finished}.json"]  # the finished cell, whole; nothing for the killed one
     assert list((project / "results").glob(".*")) == []  # no half-written temp files left behind
 
