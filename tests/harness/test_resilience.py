@@ -54,10 +54,17 @@ def project(tmp_path):
     return root
 
 
+def _sigint_default() -> None:
+    # A shell without job control (CI, nohup, `cmd &`) starts children with SIGINT ignored,
+    # and Python then never raises KeyboardInterrupt. Give nox the disposition a terminal
+    # gives it, so the test sees what a user pressing Ctrl-C sees.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def nox(root, *args, env=None, stdout=subprocess.PIPE):
     return subprocess.Popen([sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args], cwd=root,
                             stdout=stdout, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+                            env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=_sigint_default)
 
 
 def wait_for(pred, timeout=180):
