@@ -453,9 +453,23 @@ def _last_error_line(text: str, default: str) -> str:
     return lines[-1][:300] if lines else default
 
 
+def _interrupt(signum, frame):  # noqa: ARG001
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_cell(cell: Cell, venv: Path, opts: RunOptions, progress: Callable[[str], None] = print) -> CellResult:
-    """Run ``cell`` in ``venv`` (created if missing) and write results/<cell-id>.json."""
-    return CellRun(cell, venv, opts, progress).run()
+    """Run ``cell`` in ``venv`` (created if missing) and write results/<cell-id>.json.
+
+    SIGTERM is handled like Ctrl-C while the cell runs: the cell's process group (its own
+    session, so the terminal's signals miss it) is killed instead of left running.
+    """
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
+    try:
+        return CellRun(cell, venv, opts, progress).run()
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover - debugging aid

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_w
 
 def test_first_wins():
     if os.environ.get("KVCOMPAT_TEST_HANG") and __import__("vllm").__version__ == "0.0.1":
+        open(os.environ["KVCOMPAT_TEST_HANG"], "w").write(str(os.getpid()))
         time.sleep(600)
     assert first_wins([0, 3]) == 1
 '''
@@ -80,22 +81,36 @@ def results(root):
     return {p.name: json.loads(p.read_text()) for p in (root / "results").glob("*.json")}
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (killed, not yet reaped by its dead parent) counts as gone
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_killed_matrix_resumes_only_unfinished_cells(project, sig):
     finished, hung = "vllm-0.0.2-wheel__torch-pinned", "vllm-0.0.1-wheel__torch-pinned"
     out_path = project / "killed-run.log"
     with out_path.open("w") as out:  # a file, not a pipe: nobody reads while we wait
-        proc = nox(project, "-s", "matrix", env={"KVCOMPAT_TEST_HANG": "1"}, stdout=out)
+        pidfile = project / "hung.pid"
+        proc = nox(project, "-s", "matrix", env={"KVCOMPAT_TEST_HANG": str(pidfile)}, stdout=out)
     # Cells run newest first: 0.0.2 finishes, then 0.0.1 hangs inside pytest.
     hung_log = project / ".kvcompat" / "cells" / hung / "cell.log"
-    assert wait_for(lambda: hung_log.exists() and "-m pytest" in hung_log.read_text(errors="ignore"))
-    time.sleep(2)
+    assert wait_for(lambda: pidfile.exists() and pidfile.read_text())
+    hung_pytest = int(pidfile.read_text())
     os.killpg(proc.pid, sig)
     try:
         proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"nox did not exit within 120 s of {sig.name}:\n{out_path.read_text()[-3000:]}")
+    if sig is signal.SIGKILL:  # nothing can clean up after SIGKILL: the cell's own session survives it
+        os.kill(hung_pytest, signal.SIGKILL)
+    else:  # Ctrl-C and SIGTERM take the cell's pytest (its own session) down too
+        assert wait_for(lambda: not alive(hung_pytest), timeout=20), f"cell pytest {hung_pytest} survived {sig.name}"
     assert sorted(results(project)) == [f"{finished}.json"]  # the finished cell, whole; nothing for the killed one
     assert list((project / "results").glob(".*")) == []  # no half-written temp files left behind
 
