@@ -153,13 +153,18 @@ def verdict_for(result: CellResult, test: str) -> Step:
     return Step(version, Verdict.SKIP, "test not applicable to this release")
 
 
+def cell_budget(n: int) -> int:
+    """Most cells a bisect over ``n`` releases evaluates: both ends, then a binary search."""
+    return math.ceil(math.log2(n)) + 2
+
+
 def bisect(versions: list[str], evaluate: Callable[[str], Step], *, say: Callable[[str], None] = print,
            resume: Callable[[str, str], str] | None = None) -> BisectResult:
     """Binary search for the first bad release; ``versions[0]`` must be good and ``versions[-1]`` bad."""
     if len(versions) < 2:
         raise BisectError("need at least two releases between --good and --bad")
     n = len(versions)
-    budget = math.ceil(math.log2(n)) + 2
+    budget = cell_budget(n)
     steps: list[Step] = []
 
     def run(i: int, role: str) -> Step:

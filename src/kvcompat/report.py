@@ -22,7 +22,7 @@ from packaging.version import InvalidVersion, Version
 
 from kvcompat.atomic import write_atomic
 from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
-from kvcompat.results import CellResult, TestResult, headline, load_results
+from kvcompat.results import CellResult, TestResult, count_tests, headline, load_results
 
 MARK = {
     Outcome.PASS: "🟢",
@@ -90,10 +90,7 @@ class GridCell:
         return f"{self.result.id}::{self.suite}"
 
     def counts(self) -> dict[str, int]:
-        counts = {o.value: 0 for o in TestOutcome}
-        for t in self.tests:
-            counts[t.outcome.value] += 1
-        return counts
+        return count_tests(self.tests)
 
     def text(self) -> str:
         counts, total = self.counts(), len(self.tests)
@@ -324,9 +321,11 @@ def render_markdown(rep: Report) -> str:
 
 def _disagreements(rep: Report) -> list[str]:
     """Releases where our suite and vLLM's upstream suite disagree about the same cell."""
+    by_cell: dict[str, dict[str, GridCell]] = defaultdict(dict)
+    for gc in rep.cells:
+        by_cell[gc.result.id][gc.suite] = gc
     out = []
-    for r in rep.results:
-        by_suite = {gc.suite: gc for gc in grid_cells(r)}
+    for by_suite in by_cell.values():
         ours, up = by_suite.get("ours"), by_suite.get("upstream")
         if ours and up and ours.outcome.is_green != up.outcome.is_green:
             out.append(f"{ours.row} ({ours.torch_label}): ours says **{ours.outcome.label}**, upstream says **{up.outcome.label}** ({up.text()})")

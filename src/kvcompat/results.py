@@ -61,10 +61,7 @@ class CellResult:
         return self.cell["id"]
 
     def counts(self) -> dict[str, int]:
-        counts = {o.value: 0 for o in TestOutcome}
-        for t in self.tests:
-            counts[t.outcome.value] += 1
-        return counts
+        return count_tests(self.tests)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -80,6 +77,14 @@ class CellResult:
         kw["outcome"] = Outcome(d["outcome"])
         kw["tests"] = [TestResult.from_json(t) for t in d.get("tests", [])]
         return cls(**kw)
+
+
+def count_tests(tests: list[TestResult]) -> dict[str, int]:
+    """Number of tests per outcome, every outcome present (0 when none)."""
+    counts = {o.value: 0 for o in TestOutcome}
+    for t in tests:
+        counts[t.outcome.value] += 1
+    return counts
 
 
 def result_path(results_dir: Path, cell_id: str) -> Path:

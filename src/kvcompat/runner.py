@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,8 +25,8 @@ from kvcompat import index
 from kvcompat.atomic import write_atomic
 from kvcompat.cells import Cell, constraints_for
 from kvcompat.matrix import NIXL_FAKE
-from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
-from kvcompat.results import CellResult, TestResult, read_result, result_path, tail, write_result
+from kvcompat.outcomes import Outcome, cell_outcome
+from kvcompat.results import CellResult, TestResult, count_tests, read_result, result_path, tail, write_result
 
 # Environment for everything that runs inside a cell: no hub, no telemetry, no GPU probing surprises.
 CELL_ENV = {
@@ -38,16 +37,10 @@ CELL_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 PROBE_CODE = """
-import json, sys, importlib.metadata as md
+import json, sys
 import vllm
 from kvcompat import probes
-print("KVCOMPAT-PROBE " + json.dumps({
-    "python": sys.version.split()[0],
-    "vllm": probes.vllm_version(),
-    "multi_connector": probes.has_module("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"),
-    "simple_cpu_offload": probes.has_module("vllm.v1.simple_kv_offload"),
-    "offloading_connector": probes.has_module("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector"),
-}))
+print("KVCOMPAT-PROBE " + json.dumps({"python": sys.version.split()[0], "vllm": probes.vllm_version()}))
 """
 
 
@@ -392,8 +385,7 @@ class CellRun:
         outcome = cell_outcome(t.outcome for t in tests)
         if rc == 0 and outcome is Outcome.TEST_FAIL or rc == 1 and outcome is Outcome.PASS:
             return Outcome.TEST_ERROR, f"pytest exit status {rc} disagrees with the recorded tests ({outcome.value})", tests
-        counts = {o: sum(t.outcome is o for t in tests) for o in TestOutcome}
-        detail = f"{counts[TestOutcome.PASSED]}/{len(tests)} tests passed"
+        detail = f"{count_tests(tests)['passed']}/{len(tests)} tests passed"
         if data.get("deselected"):
             names = ", ".join(sorted(n.split("::")[-1] for n in data["deselected"]))
             why = " ".join(run.args[run.args.index("-m"):][:2]) if "-m" in run.args else "deselected"
@@ -470,7 +462,3 @@ def run_cell(cell: Cell, venv: Path, opts: RunOptions, progress: Callable[[str],
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)
-
-
-if __name__ == "__main__":  # pragma: no cover - debugging aid
-    sys.exit("use `nox -s matrix`")

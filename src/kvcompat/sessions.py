@@ -63,9 +63,7 @@ def bisect_main(root: Path, argv: list[str], say: Callable[[str], None] = print)
 
 
 def _bisect(root: Path, args: bis.BisectArgs, versions: list[str], say: Callable[[str], None]) -> int:
-    import math
-
-    budget = math.ceil(math.log2(len(versions))) + 2
+    budget = bis.cell_budget(len(versions))
     say(f"bisecting {len(versions)} {args.dist} releases {versions[0]} .. {versions[-1]} for {args.test!r} "
         f"(torch {args.torch}); at most {budget} cells")
     opts = RunOptions(repo=root, results_dir=root / "results", force=args.force)

@@ -98,7 +98,6 @@ def test_killed_matrix_resumes_only_unfinished_cells(project, sig):
         pidfile = project / "hung.pid"
         proc = nox(project, "-s", "matrix", env={"KVCOMPAT_TEST_HANG": str(pidfile)}, stdout=out)
     # Cells run newest first: 0.0.2 finishes, then 0.0.1 hangs inside pytest.
-    hung_log = project / ".kvcompat" / "cells" / hung / "cell.log"
     assert wait_for(lambda: pidfile.exists() and pidfile.read_text())
     hung_pytest = int(pidfile.read_text())
     os.killpg(proc.pid, sig)
