@@ -38,10 +38,11 @@ from kvcompat.index import parse_lock  # noqa: E402
 
 
 def rx_bytes() -> int:
+    """Bytes received on real interfaces (not loopback, not ifb: those mirror eth0's ingress for shaping)."""
     total = 0
     for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
         name, data = line.split(":", 1)
-        if name.strip() != "lo":
+        if name.strip() != "lo" and not name.strip().startswith("ifb"):
             total += int(data.split()[0])
     return total
 
@@ -82,18 +83,20 @@ def make_project(dest: Path, releases: list[str]) -> Path:
 
 def naive(releases: list[str], work: Path, log: Path) -> dict[str, float]:
     times = {}
+    # The user's environment as it is (on this machine PYTHONDONTWRITEBYTECODE=1, but pip
+    # compiles every module at install time, so the naive pytest imports from .pyc files).
     env = {"PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "", "PIP_NO_CACHE_DIR": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(REPO / "src")}
     for v in releases:
         venv = work / f"naive-{v}"
-        t = run([sys.executable, "-m", "venv", str(venv)], cwd=work, log=log)
-        t += run([str(venv / "bin/pip"), "install", "-q", f"vllm=={v}", "pytest"], cwd=work, env=env, log=log)
+        t_install = run([sys.executable, "-m", "venv", str(venv)], cwd=work, log=log)
+        t_install += run([str(venv / "bin/pip"), "install", "-q", f"vllm=={v}", "pytest"], cwd=work, env=env, log=log)
         # the same selection a CPU cell runs (no real-NIXL, no GPU-only tests)
-        t += run([str(venv / "bin/python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not real_nixl and not gpu",
-                  str(REPO / "tests/connectors")],
-                 cwd=REPO, env=env, log=log)
-        times[v] = t
-        print(f"  naive {v}: {t:.0f}s")
+        t_test = run([str(venv / "bin/python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not real_nixl and not gpu",
+                      str(REPO / "tests/connectors")],
+                     cwd=REPO, env=env, log=log)
+        times[v] = t_install + t_test
+        print(f"  naive {v}: {times[v]:.0f}s (venv + pip install {t_install:.0f}s, pytest {t_test:.0f}s)")
         shutil.rmtree(venv)
     return times
 
@@ -109,13 +112,13 @@ def nox_cells(project: Path, releases: list[str], env: dict, log: Path, *extra: 
 
 
 def wheel_floor(locks: list[Path]) -> tuple[int, int]:
-    """(bytes, count) of the unique wheels the locks name, sizes from the index's JSON API."""
-    pins: dict[str, str] = {}
+    """(bytes, count) of the unique wheels (name and version) the locks name, sizes from the index's JSON API."""
+    pins: set[tuple[str, str]] = set()
     for lock in locks:
-        pins.update(parse_lock(lock.read_text()))
+        pins.update(parse_lock(lock.read_text()).items())
     tags = {str(t): i for i, t in enumerate(sys_tags())}
     total = 0
-    for name, version in pins.items():
+    for name, version in sorted(pins):
         req = urllib.request.Request(f"https://pypi.org/simple/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
         files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
         best = None
@@ -133,6 +136,38 @@ def wheel_floor(locks: list[Path]) -> tuple[int, int]:
                 best = (rank, f["size"])
         total += best[1] if best else 0
     return total, len(pins)
+
+
+def installed_sizes(venv: Path) -> dict[tuple[str, str], int]:
+    """Unpacked size of each distribution in ``venv``, from its RECORD (what the uv cache holds for it)."""
+    sizes = {}
+    for record in venv.glob("lib/python*/site-packages/*.dist-info/RECORD"):
+        name, _, version = record.parent.name.removesuffix(".dist-info").rpartition("-")
+        site = record.parent.parent
+        total = 0
+        for line in record.read_text().splitlines():
+            path = site / line.split(",", 1)[0]
+            if path.is_file():
+                total += path.stat().st_size
+        sizes[(canonicalize_name(name), version)] = total
+    return sizes
+
+
+def new_package_floor(project: Path, releases: list[str]) -> list[tuple[str, int, int, bool]]:
+    """Per release, in run order: (release, unpacked bytes of the distributions no earlier cell
+    has, the vllm wheel's unpacked size, whether it shares torch with an earlier cell)."""
+    seen: set[tuple[str, str]] = set()
+    torches: set[str] = set()
+    rows = []
+    for v in releases:
+        venv = next((project / ".nox").glob(f"matrix-vllm-{v.replace('.', '-')}-*"))
+        sizes = installed_sizes(venv)
+        new = {k: n for k, n in sizes.items() if k not in seen}
+        torch = next((ver for (name, ver) in sizes if name == "torch"), "?")
+        rows.append((v, sum(new.values()), sizes.get(("vllm", v), 0), torch in torches))
+        seen |= set(sizes)
+        torches.add(torch)
+    return rows
 
 
 def main() -> int:
@@ -171,6 +206,7 @@ def main() -> int:
 
     statuses = {p.stem: json.loads(p.read_text())["outcome"] for p in (project / "results").glob("*.json")}
     floor, nwheels = wheel_floor(sorted((project / ".kvcompat" / "cells").glob("*/lock.txt")))
+    unpacked = new_package_floor(project, args.releases)
 
     print("\n== wall time per cell (s) ==")
     modes = list(results)
@@ -191,9 +227,13 @@ def main() -> int:
     for m, b in net.items():
         print(f"{m:<6}: {gib(b)}  = {b / floor:.2f}x the floor")
     print("\n== disk (uv cache + venvs, hardlinks counted once) ==")
+    print("A cell's venv hardlinks into uv's cache, so a cell costs the unpacked size of the distributions")
+    print("no earlier cell has (its floor), plus what the harness adds (bytecode Python caches on first import).")
     prev = 0
-    for v, used in disk:
-        print(f"after {v}: {gib(used)}  (+{gib(used - prev)})")
+    for (v, used), (_, floor_new, vllm_size, shares) in zip(disk, unpacked):
+        delta = used - prev
+        print(f"after {v}: {gib(used)}  (+{gib(delta)}; new distributions unpacked {gib(floor_new)}, of which vllm "
+              f"{gib(vllm_size)}; harness overhead {gib(delta - floor_new)}){'  <- shares torch' if shares else ''}")
         prev = used
     print(f"\ncell outcomes: {statuses}")
     shutil.rmtree(work / "uv-cache", ignore_errors=True)

@@ -17,6 +17,7 @@ Outcome mapping (see :mod:`kvcompat.outcomes`):
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,5 +109,6 @@ class ResultCollector:
                 entry["outcome"] = TestOutcome.ERROR
                 entry["message"] = entry["message"] or "test did not run to completion"
             tests.append({**entry, "outcome": TestOutcome(entry["outcome"]).value})
-        payload = {"exitstatus": int(exitstatus), "collected": self.collected, "deselected": self.deselected, "tests": tests}
+        payload = {"exitstatus": int(exitstatus), "collected": self.collected, "deselected": self.deselected, "tests": tests,
+                   "python": sys.version.split()[0]}
         write_atomic(self.path, json.dumps(payload, indent=1))

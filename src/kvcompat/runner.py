@@ -1,4 +1,4 @@
-"""Run one cell: resolve, install, probe, test; always end with a result file.
+"""Run one cell: resolve, install, test (and an import probe if the tests errored); always end with a result file.
 
 Each phase that fails gives its own outcome (unresolvable, install error,
 import error, timeout, test error/fail) with the tail of its log.  Only the
@@ -36,11 +36,12 @@ CELL_ENV = {
     "DO_NOT_TRACK": "1",
     "PYTHONUNBUFFERED": "1",
 }
+# Run only when the suite errored: does vLLM import at all?  (A broken import errors every
+# test; the cell should then say import error.)  A passing cell never pays for a second import.
 PROBE_CODE = """
 import json, sys
 import vllm
-from kvcompat import probes
-print("KVCOMPAT-PROBE " + json.dumps({"python": sys.version.split()[0], "vllm": probes.vllm_version()}))
+print("KVCOMPAT-PROBE " + json.dumps({"python": sys.version.split()[0]}))
 """
 
 
@@ -122,6 +123,7 @@ class CellRun:
         self.log_path = self.work / "cell.log"
         self.phases: dict[str, float] = {}
         self.started = _now()
+        self.python_version: str | None = None  # as the cell's pytest reports it
 
     @property
     def python(self) -> Path:
@@ -150,6 +152,10 @@ class CellRun:
         self.log(f"$ {' '.join(map(str, cmd))}")
         full_env = {**os.environ, **CELL_ENV, **(env or {})}
         full_env.pop("VIRTUAL_ENV", None)
+        # uv installs without .pyc files; with PYTHONDONTWRITEBYTECODE set (it is on this
+        # project's machines) every run would recompile ~5000 modules of vLLM and torch from
+        # source: ~12 s per process.  Cell venvs are ours, so let Python cache bytecode there.
+        full_env.pop("PYTHONDONTWRITEBYTECODE", None)
         proc = subprocess.Popen(
             [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=full_env, cwd=cwd or self.opts.repo, start_new_session=True, errors="replace",
@@ -245,16 +251,16 @@ class CellRun:
             return self.finish(Outcome.INSTALL_ERROR, detail, cache_key=None)
         versions = self.freeze()
 
-        with self.timed("import"):
-            rc, out = self.sh([self.python, "-c", PROBE_CODE], timeout=self.opts.import_timeout_s, phase="import")
-        probe = _probe_line(out)
-        if rc is None:
-            return self.finish(Outcome.TIMEOUT, f"import vllm did not finish in {self.opts.import_timeout_s:.0f}s", versions=versions)
-        if rc != 0 or probe is None:
-            return self.finish(Outcome.IMPORT_ERROR, _last_error_line(out, "import vllm failed"), versions=versions)
-
         outcome, detail, tests, suites = self.run_suites()
-        return self.finish(outcome, detail, tests=tests, versions=versions, python=probe["python"], cache_key=key,
+        if outcome is Outcome.TEST_ERROR:
+            with self.timed("import"):
+                rc, out = self.sh([self.python, "-c", PROBE_CODE], timeout=self.opts.import_timeout_s, phase="import")
+            probe = _probe_line(out)
+            if rc is None:
+                return self.finish(Outcome.TIMEOUT, f"import vllm did not finish in {self.opts.import_timeout_s:.0f}s", versions=versions)
+            if rc != 0 or probe is None:
+                return self.finish(Outcome.IMPORT_ERROR, _last_error_line(out, "import vllm failed"), versions=versions)
+        return self.finish(outcome, detail, tests=tests, versions=versions, python=self.python_version, cache_key=key,
                            resolved_at=resolved_at, suites=suites)
 
     def resolve(self, *, offline: bool) -> index.Resolution:
@@ -375,6 +381,8 @@ class CellRun:
         rc, out = self.sh(cmd, timeout=self.opts.timeout_s, phase="test", env=run.env, cwd=run.cwd)
         data = _read_json(report)
         tests = [TestResult.from_json(t) for t in data.get("tests", [])] if data else []
+        if data and data.get("python"):
+            self.python_version = data["python"]
         if rc is None:
             return Outcome.TIMEOUT, f"pytest did not finish in {self.opts.timeout_s:.0f}s (process group killed)", tests
         if data is None:

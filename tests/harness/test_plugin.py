@@ -1,6 +1,7 @@
 """The pytest plugin: per-test outcomes from hooks, and no way for a test to hide as a pass."""
 
 import json
+import platform
 
 
 SUITE = '''
@@ -76,7 +77,7 @@ def test_collection_error_is_recorded(pytester):
 
 def test_no_tests_collected(pytester):
     result, data = run(pytester, "x = 1\n")
-    assert data == {"exitstatus": 5, "collected": 0, "deselected": [], "tests": []}
+    assert data == {"exitstatus": 5, "collected": 0, "deselected": [], "tests": [], "python": platform.python_version()}
 
 
 def test_deselected_tests_are_listed(pytester):
