@@ -1,7 +1,7 @@
 """Questions for the package index: which releases exist, and what a requirement resolves to.
 
-Both go through the ordinary clients (``pip index versions`` and ``uv pip
-compile``) so that the index configuration of the machine applies.  Answers
+Releases are read from the simple API of the index uv uses (see simple_api),
+resolutions come from ``uv pip compile``, so both see the same index.  Answers
 are cached under ``.kvcompat/cache`` so listing sessions (``nox -l``) stays
 fast; the resolution done when a cell runs is always fresh.
 """
@@ -15,14 +15,20 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from packaging.utils import canonicalize_name
+from packaging.utils import (
+    InvalidSdistFilename,
+    InvalidWheelFilename,
+    canonicalize_name,
+    parse_sdist_filename,
+    parse_wheel_filename,
+)
 from packaging.version import InvalidVersion, Version
 
+from kvcompat import simple_api
 from kvcompat.atomic import write_atomic
 
 INDEX_TTL_S = 3600
@@ -66,26 +72,41 @@ def list_versions(dist: str, *, cache_root: Path, wheelhouse: Path | None = None
     cache = _cache_dir(cache_root, "index") / f"{canonicalize_name(dist)}.json"
     if cache.exists() and time.time() - cache.stat().st_mtime < INDEX_TTL_S:
         return [Version(v) for v in json.loads(cache.read_text())]
-    cmd = [sys.executable, "-m", "pip", "index", "versions", dist, "--pre", "--disable-pip-version-check"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    match = re.search(r"^Available versions:\s*(.+)$", proc.stdout, re.MULTILINE)
-    if proc.returncode != 0 or not match:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise IndexError_(f"cannot list {dist} versions on the index ({last}); check the network or pip's index settings")
-    versions = []
-    for raw in match.group(1).split(","):
-        try:
-            versions.append(Version(raw.strip()))
-        except InvalidVersion:
-            continue
-    versions.sort()
+    base = simple_api.index_url()
+    try:
+        files = simple_api.project_files(base, canonicalize_name(dist))
+    except (OSError, ValueError) as exc:
+        raise IndexError_(f"cannot list {dist} versions on {base} ({exc}); check the network or $UV_DEFAULT_INDEX") from None
+    # Yanked releases are left out, as pip and uv leave them out of ranges.
+    versions = sorted({v for v in (_file_version(f["filename"], dist) for f in files if not f["yanked"]) if v is not None})
+    if not versions:
+        raise IndexError_(f"{base} lists no releases of {dist}; check the project name or $UV_DEFAULT_INDEX")
     write_atomic(cache, json.dumps([str(v) for v in versions]))
     return versions
 
 
+def _file_version(filename: str, dist: str) -> Version | None:
+    """The release a distribution file on the index belongs to (None for other projects or odd names)."""
+    try:
+        if filename.endswith(".whl"):
+            name, version, _, _ = parse_wheel_filename(filename)
+        else:
+            name, version = parse_sdist_filename(filename)
+    except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
+        return None
+    return version if canonicalize_name(name) == canonicalize_name(dist) else None
+
+
+def nearest_versions(available: list[Version], version: Version, n: int = 4) -> str:
+    """The ``n`` versions on the index closest to ``version``, for "did you mean" errors."""
+    def num(v: Version) -> float:
+        return sum(x / 1000**i for i, x in enumerate(v.release))
+
+    return ", ".join(str(v) for v in sorted(available, key=lambda v: abs(num(v) - num(version)))[:n])
+
+
 def wheels_in(folder: Path, dist: str) -> list[tuple[Version, Path]]:
     """(version, path) of every wheel of ``dist`` in ``folder``."""
-    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 
     out = []
     for path in sorted(folder.glob("*.whl")):
@@ -176,7 +197,6 @@ def parse_lock(text: str) -> dict[str, str]:
 
 
 def _wheel_version(url: str) -> str | None:
-    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 
     try:
         return str(parse_wheel_filename(url.rsplit("/", 1)[-1])[1])

