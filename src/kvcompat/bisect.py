@@ -21,6 +21,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from kvcompat import index
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.results import CellResult, headline
 
@@ -118,17 +119,13 @@ def releases_between(available: list[Version], good: str, bad: str, *, pre: bool
         except InvalidVersion:
             raise BisectError(f"{flag} {value!r} is not a version; give a release such as 0.26.0") from None
         if value not in known:
-            near = ", ".join(str(v) for v in sorted(available, key=lambda v: abs(_num(v) - _num(Version(value))))[:4])
-            raise BisectError(f"{flag} {value} is not a known release; nearest on the index: {near}")
+            raise BisectError(f"{flag} {value} is not a known release; nearest on the index: "
+                              f"{index.nearest_versions(available, Version(value))}")
     lo, hi = Version(good), Version(bad)
     if lo >= hi:
         raise BisectError(f"--good {good} must be older than --bad {bad}; swap them to find where the test broke")
     out = [v for v in sorted(available) if lo <= v <= hi and (pre or not v.is_prerelease or v in (lo, hi))]
     return [str(v) for v in out]
-
-
-def _num(v: Version) -> float:
-    return sum(x / 1000**i for i, x in enumerate(v.release))
 
 
 def verdict_for(result: CellResult, test: str) -> Step:

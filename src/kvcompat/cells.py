@@ -18,7 +18,7 @@ from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
 from kvcompat import index
-from kvcompat.matrix import NIXL_FAKE, Entry
+from kvcompat.matrix import NIXL_FAKE, Entry, MatrixError
 
 PYTHON = "3.11"
 # What vLLM's own connector tests import beyond vLLM and pytest: tblib (tests/conftest.py)
@@ -130,6 +130,11 @@ def expand_versions(entry: Entry, available: Callable[[str], list[Version]]) -> 
         _, version, _, _ = parse_wheel_filename(entry.vllm.name)
         return [(str(version), entry.vllm)]
     if isinstance(entry.vllm, Version):
+        known = available(entry.dist)
+        if entry.vllm not in known:
+            # A typo or a release that was never published is bad input, not an unresolvable cell.
+            raise MatrixError(f"{entry.dist} {entry.vllm} is not on the index (or was yanked); fix the matrix entry "
+                              f"(nearest releases there: {index.nearest_versions(known, entry.vllm)})")
         return [(str(entry.vllm), None)]
     spec: SpecifierSet = entry.vllm
     return [(str(v), None) for v in spec.filter(available(entry.dist), prereleases=entry.pre)]

@@ -45,15 +45,32 @@ def load_cells_or_exit(root: Path) -> list[Cell]:
 
 
 def run_options(root: Path, posargs: list[str]) -> RunOptions:
-    """``nox -s matrix -- [--force] [--timeout=SECONDS] [pytest args…]``."""
+    """``nox -s matrix -- [--force] [--timeout=SECONDS] [--min-free-gb=N] [pytest args…]``.
+
+    A malformed number is one line on stderr and exit status 2, never a traceback.
+    """
     opts = RunOptions(repo=root, results_dir=root / "results")
     rest = []
     for arg in posargs:
         if arg == "--force":
             opts.force = True
         elif arg.startswith("--timeout="):
-            opts.timeout_s = float(arg.split("=", 1)[1])
+            opts.timeout_s = _positive(arg, "seconds", "--timeout=900")
+        elif arg.startswith("--min-free-gb="):
+            opts.min_free_gb = _positive(arg, "GiB", "--min-free-gb=15")
         else:
             rest.append(arg)
     opts.pytest_args = tuple(rest)
     return opts
+
+
+def _positive(arg: str, unit: str, example: str) -> float:
+    flag, _, value = arg.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number > 0:
+        print(f"kvcompat: error: {flag}={value!r} is not a positive number of {unit}; write e.g. {example}", file=sys.stderr)
+        raise SystemExit(2)
+    return number

@@ -1,11 +1,11 @@
 """Matrix entries -> cells: range expansion, torch pins and overrides, ids for nox and files."""
 
-
+import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from kvcompat.cells import Cell, constraints_for, resolve_cells
-from kvcompat.matrix import Entry
+from kvcompat.matrix import Entry, MatrixError
 
 INDEX = [Version(v) for v in ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0rc1", "0.34.0"]]
 PINS = {"0.30.0": "2.13.0", "0.31.0": "2.13.0", "0.32.0": "2.13.0", "0.33.0": "2.14.0"}
@@ -41,9 +41,17 @@ def test_explicit_torch_is_an_override_cell(tmp_path):
 
 
 def test_unresolvable_release_is_still_a_cell(tmp_path):
-    (cell,) = cells_for([Entry(vllm=Version("0.0.0.dev0"))], tmp_path)
+    # 0.34.0 is on the index but its requirements cannot be met: a cell that will say so.
+    (cell,) = cells_for([Entry(vllm=Version("0.34.0"))], tmp_path)
     assert cell.torch == "pinned"
-    assert cell.nox_id == "vllm='0.0.0.dev0', torch='pinned'"
+    assert cell.nox_id == "vllm='0.34.0', torch='pinned'"
+
+
+def test_release_not_on_the_index_is_a_matrix_error(tmp_path):
+    with pytest.raises(MatrixError) as err:
+        cells_for([Entry(vllm=Version("0.33.9"))], tmp_path)
+    msg = str(err.value)
+    assert "vllm 0.33.9 is not on the index (or was yanked); fix the matrix entry" in msg and "0.33.0" in msg and "\n" not in msg
 
 
 def test_duplicates_collapse(tmp_path):

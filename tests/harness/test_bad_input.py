@@ -1,0 +1,99 @@
+"""Bad input at the front door: one line on stderr naming the fix, exit status 2, no traceback.
+
+Each case drives real `nox` on a throwaway project (fake vLLM wheels, a tiny suite).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fakes import build_project
+
+SUITE = '''
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
+
+def test_first_wins():
+    assert first_wins([0, 3]) == 1
+'''
+
+
+@pytest.fixture
+def project(tmp_path):
+    return build_project(tmp_path / "proj", SUITE)
+
+
+def nox(root, *args, env=None):
+    return subprocess.run([sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args], cwd=root,
+                          capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
+
+
+def one_line_error(proc) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("kvcompat: error: ")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "matrix, needle",
+    [
+        # malformed: not TOML, an unknown key, a value that is no version
+        ("[matrix]\ndefault = [", "is not valid TOML"),
+        ("[matrix]\ndefault = [{ vllm = '0.33.0', cuda = '12' }]", "unknown key(s) ['cuda']; allowed keys are"),
+        ("[matrix]\ndefault = [{ vllm = 'latest' }]", "is neither a version, a range nor a .whl path; write e.g. \"0.33.0\""),
+        # a local wheel that is not there
+        ("[matrix]\ndefault = [{ vllm = 'dist/vllm-9.9.9-py3-none-any.whl' }]",
+         "wheel dist/vllm-9.9.9-py3-none-any.whl not found at"),
+    ],
+)
+def test_bad_matrix_definitions(project, matrix, needle):
+    (project / "m.toml").write_text(matrix)
+    err = one_line_error(nox(project, "-s", "matrix", env={"KVCOMPAT_MATRIX": str(project / "m.toml")}))
+    assert needle in err
+
+
+@pytest.mark.parametrize("arg, needle", [
+    ("--timeout=soon", "--timeout='soon' is not a positive number of seconds; write e.g. --timeout=900"),
+    ("--min-free-gb=-1", "--min-free-gb='-1' is not a positive number of GiB; write e.g. --min-free-gb=15"),
+])
+def test_bad_run_options(project, arg, needle):
+    assert needle in one_line_error(nox(project, "-s", "matrix", "--", arg))
+    assert not (project / "results").exists()
+
+
+def test_release_not_on_the_index(project):
+    """Asks the real index for vLLM's release list (the same call the matrix makes)."""
+    (project / "m.toml").write_text("[matrix]\ndefault = [{ vllm = '0.33.9' }]\n")
+    err = one_line_error(nox(project, "-s", "matrix", env={"KVCOMPAT_MATRIX": str(project / "m.toml")}))
+    assert "vllm 0.33.9 is not on the index (or was yanked); fix the matrix entry (nearest releases there: " in err
+    assert "0.33.0" in err
+
+
+def test_unknown_matrix_name(project):
+    err = one_line_error(nox(project, "-l", env={"KVCOMPAT_MATRIX": "nightly"}))
+    assert "has no matrix named 'nightly'; choose one of: default" in err
+
+
+def test_bisect_unknown_release(project):
+    err = one_line_error(nox(project, "-s", "bisect", "--", "--test", "test_first_wins", "--good", "0.0.1",
+                             "--bad", "0.0.7", "--wheelhouse", "wheels/house"))
+    assert "--bad 0.0.7 is not a known release; nearest on the index: 0.0.2, 0.0.1" in err
+
+
+def test_bisect_test_id_that_matches_nothing(project):
+    proc = nox(project, "-s", "bisect", "--", "--test", "test_no_such_thing", "--good", "0.0.1", "--bad", "0.0.2",
+               "--wheelhouse", "wheels/house")
+    err = one_line_error(proc)
+    assert "--test 'test_no_such_thing' matches no test in vllm-0.0.1" in err
+    assert "use a node id or keyword such as: test_first_wins" in err
+
+
+def test_bisect_wheelhouse_that_is_not_a_folder(project):
+    err = one_line_error(nox(project, "-s", "bisect", "--", "--test", "t", "--good", "0.0.1", "--bad", "0.0.2",
+                             "--wheelhouse", "no/such/dir"))
+    assert "--wheelhouse no/such/dir is not a folder; point it at a folder of vllm-*.whl files" in err
