@@ -101,10 +101,10 @@ def suite_hash(repo: Path, suite: str) -> str:
     return h.hexdigest()[:16]
 
 
-def cache_key(lock: str, suite: str, cell: Cell) -> str:
-    """Identity of a cell run: resolved lock, suite source, Python, NIXL, suites, and a local wheel's bytes."""
+def cache_key(lock: str, suite: str, cell: Cell, python: str) -> str:
+    """Identity of a cell run: resolved lock, suite source, exact Python, NIXL, suites, and a local wheel's bytes."""
     wheel = hashlib.sha256(cell.wheel.read_bytes()).hexdigest() if cell.wheel else None
-    return hashlib.sha256(json.dumps([lock, suite, cell.python, cell.nixl, list(cell.suites), wheel]).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([lock, suite, python, cell.nixl, list(cell.suites), wheel]).encode()).hexdigest()[:16]
 
 
 def _now() -> str:
@@ -239,7 +239,7 @@ class CellRun:
             return self.finish(Outcome.UNRESOLVABLE, explain_resolution(res.error, self.cell.vllm_requirement))
         lock = self.work / "lock.txt"
         write_atomic(lock, res.lock)
-        key = cache_key(res.lock, suite, self.cell)
+        key = cache_key(res.lock, suite, self.cell, self.interpreter())
         if cached is not None and cached.cache_key == key and not self.opts.force:
             cached.resolved_at = resolved_at  # the online check is fresh again
             write_result(self.opts.results_dir, cached)
@@ -281,12 +281,26 @@ class CellRun:
         if cached.cache_key is None or cached.resolved_at is None or time.time() - cached.resolved_at > self.opts.lock_ttl_s:
             return False
         res = self.resolve(offline=True)
-        return res.ok and cache_key(res.lock, suite, self.cell) == cached.cache_key
+        return res.ok and cache_key(res.lock, suite, self.cell, self.interpreter()) == cached.cache_key
+
+    def interpreter(self) -> str:
+        """The exact Python version the cell runs on: its venv's, else the one uv would create it with."""
+        cfg = self.venv / "pyvenv.cfg"
+        if cfg.is_file():
+            for line in cfg.read_text().splitlines():
+                key, _, value = line.partition("=")
+                if key.strip() in ("version_info", "version"):  # uv writes the first, `python -m venv` the second
+                    return value.strip()
+        proc = subprocess.run([index.uv_bin(), "python", "find", self.cell.python, "--show-version"],
+                              capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else self.cell.python
 
     def check_disk(self) -> None:
         self.venv.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.venv.parent).free / 2**30
-        populated = (self.venv / "bin" / "python").exists()
+        # nox creates the (empty) venv before the session runs: only an installed vLLM means
+        # the big downloads are already on disk.
+        populated = any(self.venv.glob("lib/python*/site-packages/vllm*.dist-info"))
         if free < self.opts.min_free_gb and not populated:
             raise DiskFullError(
                 f"only {free:.1f} GiB free under {self.venv.parent}; a new cell needs about {self.opts.min_free_gb:.0f} GiB: "

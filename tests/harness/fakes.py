@@ -34,3 +34,28 @@ FAKE_CONNECTOR_FILES = {
     "vllm/distributed/kv_transfer/kv_connector/v1/__init__.py": "",
     "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py": "def first_wins(children):\n    return next(i for i, c in enumerate(children) if c)\n",
 }
+
+
+def build_project(root: Path, suite: str, versions: tuple[str, ...] = ("0.0.1", "0.0.2")) -> Path:
+    """A throwaway kvcompat project: our noxfile and src, ``suite`` as tests/connectors, and a
+    default matrix of fake vLLM wheels (one folder per version, all also in wheels/house)."""
+    import shutil
+
+    repo = Path(__file__).resolve().parents[2]
+    (root / "tests" / "connectors").mkdir(parents=True)
+    (root / "constraints").mkdir()
+    shutil.copy(repo / "noxfile.py", root / "noxfile.py")
+    (root / "src").symlink_to(repo / "src")
+    (root / "tests" / "connectors" / "test_suite.py").write_text(suite)
+    house = root / "wheels" / "house"
+    house.mkdir(parents=True)
+    wheels = []
+    for v in versions:
+        files = {**FAKE_CONNECTOR_FILES, "vllm/__init__.py": f"__version__ = {v!r}\n"}
+        folder = root / "wheels" / v
+        folder.mkdir(parents=True)
+        wheels.append(build_wheel(folder, files, version=v))
+        shutil.copy(wheels[-1], house / wheels[-1].name)
+    entries = ", ".join(f'{{ vllm = "wheels/{w.parent.name}/{w.name}" }}' for w in wheels)
+    (root / "pyproject.toml").write_text(f"[tool.kvcompat.matrix]\ndefault = [{entries}]\n")
+    return root

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 
 from kvcompat.atomic import write_atomic
 
-from fakes import FAKE_CONNECTOR_FILES, build_wheel
+from fakes import build_project
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +28,8 @@ import os, time
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
 
 def test_first_wins():
-    if os.environ.get("KVCOMPAT_TEST_HANG") and __import__("vllm").__version__ == "0.0.1":
+    hang_in = os.environ.get("KVCOMPAT_TEST_HANG_VERSION", "0.0.1")
+    if os.environ.get("KVCOMPAT_TEST_HANG") and __import__("vllm").__version__ == hang_in:
         open(os.environ["KVCOMPAT_TEST_HANG"], "w").write(str(os.getpid()))
         time.sleep(600)
     assert first_wins([0, 3]) == 1
@@ -38,21 +38,7 @@ def test_first_wins():
 
 @pytest.fixture
 def project(tmp_path):
-    root = tmp_path / "proj"
-    (root / "tests" / "connectors").mkdir(parents=True)
-    (root / "constraints").mkdir()
-    shutil.copy(REPO / "noxfile.py", root / "noxfile.py")
-    (root / "src").symlink_to(REPO / "src")
-    (root / "tests" / "connectors" / "test_suite.py").write_text(SUITE)
-    wheels = []
-    for v in ("0.0.1", "0.0.2"):
-        files = {**FAKE_CONNECTOR_FILES, "vllm/__init__.py": f"__version__ = {v!r}\n"}
-        folder = root / "wheels" / v
-        folder.mkdir(parents=True)
-        wheels.append(build_wheel(folder, files, version=v))
-    entries = ", ".join(f'{{ vllm = "wheels/{w.parent.name}/{w.name}" }}' for w in wheels)
-    (root / "pyproject.toml").write_text(f"[tool.kvcompat.matrix]\ndefault = [{entries}]\n")
-    return root
+    return build_project(tmp_path / "proj", SUITE)
 
 
 def _sigint_default() -> None:
@@ -119,6 +105,34 @@ def test_killed_matrix_resumes_only_unfinished_cells(project, sig):
     assert out.count("unchanged (lock, suite and Python match") == 1, out  # only the unfinished cell ran again
     got = results(project)
     assert got[f"{finished}.json"]["outcome"] == got[f"{hung}.json"]["outcome"] == "pass"
+
+
+def test_hanging_cell_times_out_and_the_matrix_goes_on(project):
+    pidfile = project / "hung.pid"
+    # Cells run newest first: 0.0.2 hangs inside pytest and is killed at the per-cell timeout;
+    # 0.0.1 still runs, and the report has both.
+    proc = nox(project, "-s", "matrix", "--", "--timeout=20",
+               env={"KVCOMPAT_TEST_HANG": str(pidfile), "KVCOMPAT_TEST_HANG_VERSION": "0.0.2"})
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out  # nox: one session failed
+    got = results(project)
+    assert got["vllm-0.0.2-wheel__torch-pinned.json"]["outcome"] == "timeout", out
+    assert "pytest did not finish in 20s (process group killed)" in got["vllm-0.0.2-wheel__torch-pinned.json"]["detail"]
+    assert got["vllm-0.0.1-wheel__torch-pinned.json"]["outcome"] == "pass", out
+    assert wait_for(lambda: not alive(int(pidfile.read_text())), timeout=20)  # the hung pytest is gone
+    report = (project / "reports" / "compat.md").read_text()
+    assert "timeout" in report and "pass 1/1" in report
+
+
+def test_full_disk_refuses_each_cell_before_building(project):
+    proc = nox(project, "-s", "matrix", "--", "--min-free-gb=1000000")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    refusals = [line for line in out.splitlines() if "GiB free under" in line]
+    assert len(refusals) == 2, out  # each cell is checked, and refused, on its own
+    assert all("a new cell needs about 1000000 GiB: free space" in line for line in refusals)
+    assert not list((project / "results").glob("*.json"))  # nothing half-done to resume from
+    assert not list((project / ".nox").glob("*/lib/python*/site-packages/vllm*.dist-info"))
 
 
 def test_rerun_answers_finished_cells_from_cache(project):

@@ -89,6 +89,14 @@ def test_passing_suite_passes_and_records_everything(tmp_path, fake_wheel, make_
     fourth = run(wheel_cell(rebuilt), tmp_path, opts(suite), lines)
     assert not any("unchanged" in line for line in lines) and fourth.finished >= third.finished
 
+    # So does another Python under the venv (pyvenv.cfg says which; nothing else reads version_info).
+    lines.clear()
+    cfg = tmp_path / "venv" / "pyvenv.cfg"
+    assert f"version_info = {fourth.python}" in cfg.read_text()
+    cfg.write_text(cfg.read_text().replace(f"version_info = {fourth.python}", "version_info = 3.11.99"))
+    fifth = run(wheel_cell(rebuilt), tmp_path, opts(suite), lines)
+    assert not any("unchanged" in line for line in lines) and fifth.finished >= fourth.finished
+
     # --force ignores the cache.
     lines.clear()
     run(wheel_cell(rebuilt), tmp_path, opts(suite, force=True), lines)
@@ -165,6 +173,34 @@ def test_install_failure_is_retried_once_then_reported(tmp_path, fake_wheel, mak
     assert result.outcome is Outcome.INSTALL_ERROR
     assert sum("install attempt" in line for line in lines) == 2
     assert result.log_tail
+
+
+@pytest.mark.parametrize("dead_attempts, expected", [(1, Outcome.PASS), (2, Outcome.INSTALL_ERROR)])
+def test_install_network_error_is_retried_once(tmp_path, fake_wheel, make_suite, opts, monkeypatch, dead_attempts, expected):
+    """The index refuses connections for the first ``dead_attempts`` installs: one retry rides out a
+    transient outage; a lasting one is an install error whose log tail shows the network error."""
+    from kvcompat import runner
+
+    real_sh = runner.CellRun.sh
+    syncs: list[int] = []
+
+    def sh(self, cmd, **kw):
+        if "sync" in map(str, cmd):
+            syncs.append(1)
+            if len(syncs) <= dead_attempts:
+                kw["env"] = {**(kw.get("env") or {}), "UV_NO_CACHE": "1", "UV_DEFAULT_INDEX": "http://127.0.0.1:9/simple"}
+        return real_sh(self, cmd, **kw)
+
+    monkeypatch.setattr(runner.CellRun, "sh", sh)
+    lines: list[str] = []
+    result = run(wheel_cell(fake_wheel()), tmp_path, opts(make_suite(test_ok=PASSING)), lines)
+    assert result.outcome is expected, result.log_tail
+    assert len(syncs) == 2
+    assert any("install attempt 1 failed; retrying" in line for line in lines)
+    if expected is Outcome.INSTALL_ERROR:
+        assert "127.0.0.1:9" in result.log_tail
+    else:
+        assert result.counts()["passed"] == 2
 
 
 def test_disk_check_refuses_before_building(tmp_path, fake_wheel, make_suite, opts):
