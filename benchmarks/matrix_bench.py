@@ -111,13 +111,13 @@ def nox_cells(project: Path, releases: list[str], env: dict, log: Path, *extra: 
     return times
 
 
-def wheel_floor(locks: list[Path]) -> tuple[int, int]:
-    """(bytes, count) of the unique wheels (name and version) the locks name, sizes from the index's JSON API."""
+def wheel_sizes(locks: list[Path]) -> dict[tuple[str, str], int]:
+    """Size on the index of each unique wheel (name and version) the locks name, from the index's JSON API."""
     pins: set[tuple[str, str]] = set()
     for lock in locks:
         pins.update(parse_lock(lock.read_text()).items())
     tags = {str(t): i for i, t in enumerate(sys_tags())}
-    total = 0
+    sizes = {}
     for name, version in sorted(pins):
         req = urllib.request.Request(f"https://pypi.org/simple/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
         files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
@@ -134,8 +134,8 @@ def wheel_floor(locks: list[Path]) -> tuple[int, int]:
             rank = min((tags[str(t)] for t in ftags if str(t) in tags), default=None)
             if rank is not None and (best is None or rank < best[0]):
                 best = (rank, f["size"])
-        total += best[1] if best else 0
-    return total, len(pins)
+        sizes[(name, version)] = best[1] if best else 0
+    return sizes
 
 
 def installed_sizes(venv: Path) -> dict[tuple[str, str], int]:
@@ -205,7 +205,8 @@ def main() -> int:
     print(f"  unchanged: {results['unchanged']}")
 
     statuses = {p.stem: json.loads(p.read_text())["outcome"] for p in (project / "results").glob("*.json")}
-    floor, nwheels = wheel_floor(sorted((project / ".kvcompat" / "cells").glob("*/lock.txt")))
+    wheels = wheel_sizes(sorted((project / ".kvcompat" / "cells").glob("*/lock.txt")))
+    floor, nwheels = sum(wheels.values()), len(wheels)
     unpacked = new_package_floor(project, args.releases)
 
     print("\n== wall time per cell (s) ==")
@@ -233,7 +234,8 @@ def main() -> int:
     for (v, used), (_, floor_new, vllm_size, shares) in zip(disk, unpacked):
         delta = used - prev
         print(f"after {v}: {gib(used)}  (+{gib(delta)}; new distributions unpacked {gib(floor_new)}, of which vllm "
-              f"{gib(vllm_size)}; harness overhead {gib(delta - floor_new)}){'  <- shares torch' if shares else ''}")
+              f"{gib(vllm_size)} (its wheel: {gib(wheels.get(('vllm', v), 0))}); harness overhead {gib(delta - floor_new)})"
+              f"{'  <- shares torch' if shares else ''}")
         prev = used
     print(f"\ncell outcomes: {statuses}")
     shutil.rmtree(work / "uv-cache", ignore_errors=True)
