@@ -132,6 +132,11 @@ class Resolution:
     def pin(self, name: str) -> str | None:
         return self.pins.get(canonicalize_name(name))
 
+    @property
+    def unsatisfiable(self) -> bool:
+        """The index answered and the requirements have no solution (not: the index could not be asked)."""
+        return not self.ok and "No solution found" in self.error
+
 
 def resolve(
     requirements: list[str],

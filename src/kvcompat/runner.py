@@ -101,10 +101,13 @@ def suite_hash(repo: Path, suite: str) -> str:
     return h.hexdigest()[:16]
 
 
-def cache_key(lock: str, suite: str, cell: Cell, python: str) -> str:
-    """Identity of a cell run: resolved lock, suite source, exact Python, NIXL, suites, and a local wheel's bytes."""
+def cache_key(lock: str, suite: str, cell: Cell, python: str, opts: RunOptions) -> str:
+    """Identity of a cell run: resolved lock, suite source, exact Python, NIXL, suites, a local wheel's
+    bytes, and what selects or bounds the tests (pytest arguments, timeout): a ``-k`` subset that
+    passed must never answer for the whole suite."""
     wheel = hashlib.sha256(cell.wheel.read_bytes()).hexdigest() if cell.wheel else None
-    return hashlib.sha256(json.dumps([lock, suite, python, cell.nixl, list(cell.suites), wheel]).encode()).hexdigest()[:16]
+    run = [list(opts.pytest_args), opts.timeout_s]
+    return hashlib.sha256(json.dumps([lock, suite, python, cell.nixl, list(cell.suites), wheel, run]).encode()).hexdigest()[:16]
 
 
 def _now() -> str:
@@ -233,13 +236,19 @@ class CellRun:
         self.check_disk()
         with self.timed("resolve"):
             res = self.resolve(offline=False)
+            if not res.ok and not res.unsatisfiable:  # the index could not be asked: one retry, as for installs
+                self.log(res.error)
+                self.say("resolve failed without a verdict from the index; retrying")
+                res = self.resolve(offline=False)
             resolved_at = time.time()
             self.log(res.lock or res.error)
-        if not res.ok:
+        if res.unsatisfiable:
             return self.finish(Outcome.UNRESOLVABLE, explain_resolution(res.error, self.cell.vllm_requirement))
+        if not res.ok:  # a network failure is not a verdict on the release
+            return self.finish(Outcome.INSTALL_ERROR, "could not resolve: " + _root_cause(res.error))
         lock = self.work / "lock.txt"
         write_atomic(lock, res.lock)
-        key = cache_key(res.lock, suite, self.cell, self.interpreter())
+        key = cache_key(res.lock, suite, self.cell, self.interpreter(), self.opts)
         if cached is not None and cached.cache_key == key and not self.opts.force:
             cached.resolved_at = resolved_at  # the online check is fresh again
             write_result(self.opts.results_dir, cached)
@@ -281,7 +290,7 @@ class CellRun:
         if cached.cache_key is None or cached.resolved_at is None or time.time() - cached.resolved_at > self.opts.lock_ttl_s:
             return False
         res = self.resolve(offline=True)
-        return res.ok and cache_key(res.lock, suite, self.cell, self.interpreter()) == cached.cache_key
+        return res.ok and cache_key(res.lock, suite, self.cell, self.interpreter(), self.opts) == cached.cache_key
 
     def interpreter(self) -> str:
         """The exact Python version the cell runs on: its venv's, else the one uv would create it with."""
@@ -456,6 +465,16 @@ def explain_resolution(error: str, requirement: str) -> str:
         if line.startswith("Because"):
             return line[:300]
     return lines[0][:300] if lines else f"{requirement} cannot be resolved"
+
+
+def _root_cause(error: str) -> str:
+    """uv's first error line with its innermost ``cause:``, e.g. "Failed to fetch: … (Connection refused)"."""
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    if not lines:
+        return "uv pip compile failed without output"
+    causes = [ln.removeprefix("cause:").strip() for ln in lines if ln.startswith("cause:")]
+    first = lines[0].removeprefix("error:").strip()
+    return (f"{first} ({causes[-1]})" if causes else first)[:300]
 
 
 def _last_error_line(text: str, default: str) -> str:

@@ -97,6 +97,14 @@ def test_passing_suite_passes_and_records_everything(tmp_path, fake_wheel, make_
     fifth = run(wheel_cell(rebuilt), tmp_path, opts(suite), lines)
     assert not any("unchanged" in line for line in lines) and fifth.finished >= fourth.finished
 
+    # A -k subset is another question: its answer is not reused for the whole suite, nor the reverse.
+    lines.clear()
+    subset = run(wheel_cell(rebuilt), tmp_path, opts(suite, pytest_args=("-k", "test_more")), lines)
+    assert not any("unchanged" in line for line in lines) and subset.counts()["passed"] == 1
+    lines.clear()
+    whole = run(wheel_cell(rebuilt), tmp_path, opts(suite), lines)
+    assert not any("unchanged" in line for line in lines) and whole.counts()["passed"] == 3
+
     # --force ignores the cache.
     lines.clear()
     run(wheel_cell(rebuilt), tmp_path, opts(suite, force=True), lines)
@@ -201,6 +209,19 @@ def test_install_network_error_is_retried_once(tmp_path, fake_wheel, make_suite,
         assert "127.0.0.1:9" in result.log_tail
     else:
         assert result.counts()["passed"] == 2
+
+
+def test_index_outage_while_resolving_is_an_install_error_not_unresolvable(tmp_path, fake_wheel, make_suite, opts, monkeypatch):
+    """A dead index says nothing about the release: retried once, then install error with the cause."""
+    monkeypatch.setenv("UV_DEFAULT_INDEX", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("UV_NO_CACHE", "1")
+    monkeypatch.setenv("UV_HTTP_RETRIES", "0")
+    lines: list[str] = []
+    result = run(wheel_cell(fake_wheel()), tmp_path, opts(make_suite(test_ok=PASSING)), lines)
+    assert result.outcome is Outcome.INSTALL_ERROR
+    assert result.detail.startswith("could not resolve: Failed to fetch: http://127.0.0.1:9/simple/")
+    assert "Connection refused" in result.detail
+    assert sum("resolve failed without a verdict from the index; retrying" in line for line in lines) == 1
 
 
 def test_disk_check_refuses_before_building(tmp_path, fake_wheel, make_suite, opts):
