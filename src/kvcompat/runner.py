@@ -132,6 +132,29 @@ class CellRun:
     def python(self) -> Path:
         return self.venv / "bin" / "python"
 
+    @property
+    def running_file(self) -> Path:
+        return self.work / "running.json"
+
+    def reap_leftover(self) -> None:
+        """Kill what a SIGKILLed run of this cell left behind (its pytest keeps running in its own session).
+
+        Only when the run that started it is gone: another live run of the same cell is left alone.
+        """
+        try:
+            info = json.loads(self.running_file.read_text())
+            group, owner = int(info["group"]), int(info["owner"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if _alive(owner) or not _alive(group):
+            return
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        self.running_file.unlink(missing_ok=True)
+        self.say(f"killed process group {group}, left running by an earlier run of this cell that was killed")
+
     # -- plumbing -----------------------------------------------------------------
 
     def say(self, msg: str) -> None:
@@ -163,6 +186,8 @@ class CellRun:
             [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=full_env, cwd=cwd or self.opts.repo, start_new_session=True, errors="replace",
         )
+        # Who runs what, so that a run after a SIGKILL (which nothing can clean up) can reap it.
+        write_atomic(self.running_file, json.dumps({"group": proc.pid, "owner": os.getpid()}))
         lines: list[str] = []
 
         def pump() -> None:
@@ -192,6 +217,8 @@ class CellRun:
         except BaseException:  # Ctrl-C: take the whole process group down with us, and go
             _kill_group(proc)
             raise
+        finally:
+            self.running_file.unlink(missing_ok=True)
         reader.join(timeout=30)
         out = "".join(lines)
         if rc is None:
@@ -232,6 +259,7 @@ class CellRun:
             return self.reuse(cached)
 
         self.work.mkdir(parents=True, exist_ok=True)
+        self.reap_leftover()
         self.log_path.write_text(f"# kvcompat cell {self.cell.id} started {self.started}\n")
         self.check_disk()
         with self.timed("resolve"):
@@ -434,6 +462,15 @@ def suite_marker(cell: Cell) -> str:
     """
     marker = "real_nixl" if cell.nixl != NIXL_FAKE else "not real_nixl"
     return marker if cell.runner == "gpu" else f"{marker} and not gpu"
+
+
+def _alive(pid: int) -> bool:
+    """A live process (not a zombie) with this pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

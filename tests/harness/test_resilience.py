@@ -92,8 +92,8 @@ def test_killed_matrix_resumes_only_unfinished_cells(project, sig):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"nox did not exit within 120 s of {sig.name}:\n{out_path.read_text()[-3000:]}")
-    if sig is signal.SIGKILL:  # nothing can clean up after SIGKILL: the cell's own session survives it
-        os.kill(hung_pytest, signal.SIGKILL)
+    if sig is signal.SIGKILL:  # nothing cleans up at SIGKILL: the cell's pytest (its own session) survives it
+        assert alive(hung_pytest)
     else:  # Ctrl-C and SIGTERM take the cell's pytest (its own session) down too
         assert wait_for(lambda: not alive(hung_pytest), timeout=20), f"cell pytest {hung_pytest} survived {sig.name}"
     assert sorted(results(project)) == [f"{finished}.json"]  # the finished cell, whole; nothing for the killed one
@@ -103,6 +103,9 @@ def test_killed_matrix_resumes_only_unfinished_cells(project, sig):
     out, _ = rerun.communicate(timeout=600)
     assert rerun.returncode == 0, out
     assert out.count("unchanged (lock, suite and Python match") == 1, out  # only the unfinished cell ran again
+    # ... and after SIGKILL the rerun first reaps the pytest the killed run left behind
+    assert ("left running by an earlier run of this cell that was killed" in out) == (sig is signal.SIGKILL), out
+    assert not alive(hung_pytest)
     got = results(project)
     assert got[f"{finished}.json"]["outcome"] == got[f"{hung}.json"]["outcome"] == "pass"
 
