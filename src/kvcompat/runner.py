@@ -439,8 +439,8 @@ class CellRun:
         if data is None:
             return Outcome.TEST_ERROR, f"pytest exited {rc} without writing results: " + _last_error_line(out, "crashed"), tests
         if rc not in (0, 1):
-            # 2 interrupted, 3 internal error, 4 usage error, 5 no tests collected
-            return Outcome.TEST_ERROR, f"pytest exit status {rc}: " + _last_error_line(out, "no tests ran"), tests
+            meaning = PYTEST_EXIT.get(rc, "crashed")
+            return Outcome.TEST_ERROR, f"pytest exit status {rc} ({meaning}): " + _last_error_line(out, "no tests ran"), tests
         outcome = cell_outcome(t.outcome for t in tests)
         if rc == 0 and outcome is Outcome.TEST_FAIL or rc == 1 and outcome is Outcome.PASS:
             return Outcome.TEST_ERROR, f"pytest exit status {rc} disagrees with the recorded tests ({outcome.value})", tests
@@ -450,6 +450,11 @@ class CellRun:
             why = " ".join(run.args[run.args.index("-m"):][:2]) if "-m" in run.args else "deselected"
             detail += f"; {len(data['deselected'])} not run here ({why}): " + (names if len(names) < 300 else names[:300] + "…")
         return outcome, detail, tests
+
+
+# pytest's exit statuses other than 0 (all passed) and 1 (some failed): none is a verdict on vLLM.
+PYTEST_EXIT = {2: "interrupted, e.g. by a collection error", 3: "internal error", 4: "usage error, e.g. a conftest crash",
+               5: "no tests collected"}
 
 
 def suite_marker(cell: Cell) -> str:

@@ -134,7 +134,7 @@ def test_import_error(tmp_path, fake_wheel, make_suite, opts):
 
 def test_no_tests_collected_is_an_error(tmp_path, fake_wheel, make_suite, opts):
     result = run(wheel_cell(fake_wheel()), tmp_path, opts(make_suite(test_nothing="x = 1\n")))
-    assert result.outcome is Outcome.TEST_ERROR and "exit status 5" in result.detail
+    assert result.outcome is Outcome.TEST_ERROR and "exit status 5 (no tests collected)" in result.detail
 
 
 def test_conftest_crash_is_an_error(tmp_path, fake_wheel, make_suite, opts):
