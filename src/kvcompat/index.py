@@ -107,16 +107,8 @@ def nearest_versions(available: list[Version], version: Version, n: int = 4) -> 
 
 def wheels_in(folder: Path, dist: str) -> list[tuple[Version, Path]]:
     """(version, path) of every wheel of ``dist`` in ``folder``."""
-
-    out = []
-    for path in sorted(folder.glob("*.whl")):
-        try:
-            name, version, _, _ = parse_wheel_filename(path.name)
-        except InvalidWheelFilename:
-            continue
-        if name == canonicalize_name(dist):
-            out.append((version, path))
-    return out
+    found = ((_file_version(path.name, dist), path) for path in sorted(folder.glob("*.whl")))
+    return [(version, path) for version, path in found if version is not None]
 
 
 @dataclasses.dataclass
@@ -202,7 +194,6 @@ def parse_lock(text: str) -> dict[str, str]:
 
 
 def _wheel_version(url: str) -> str | None:
-
     try:
         return str(parse_wheel_filename(url.rsplit("/", 1)[-1])[1])
     except InvalidWheelFilename:

@@ -38,11 +38,8 @@ CELL_ENV = {
 }
 # Run only when the suite errored: does vLLM import at all?  (A broken import errors every
 # test; the cell should then say import error.)  A passing cell never pays for a second import.
-PROBE_CODE = """
-import json, sys
-import vllm
-print("KVCOMPAT-PROBE " + json.dumps({"python": sys.version.split()[0]}))
-"""
+PROBE_MARK = "KVCOMPAT-PROBE vllm imported"
+PROBE_CODE = f"import vllm\nprint({PROBE_MARK!r})\n"
 
 
 @dataclasses.dataclass
@@ -292,10 +289,9 @@ class CellRun:
         if outcome is Outcome.TEST_ERROR:
             with self.timed("import"):
                 rc, out = self.sh([self.python, "-c", PROBE_CODE], timeout=self.opts.import_timeout_s, phase="import")
-            probe = _probe_line(out)
             if rc is None:
                 return self.finish(Outcome.TIMEOUT, f"import vllm did not finish in {self.opts.import_timeout_s:.0f}s", versions=versions)
-            if rc != 0 or probe is None:
+            if rc != 0 or PROBE_MARK not in out.splitlines():
                 return self.finish(Outcome.IMPORT_ERROR, _last_error_line(out, "import vllm failed"), versions=versions)
         return self.finish(outcome, detail, tests=tests, versions=versions, python=self.python_version, cache_key=key,
                            resolved_at=resolved_at, suites=suites)
@@ -490,13 +486,6 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _probe_line(out: str) -> dict | None:
-    for line in out.splitlines():
-        if line.startswith("KVCOMPAT-PROBE "):
-            return json.loads(line.removeprefix("KVCOMPAT-PROBE "))
-    return None
 
 
 def explain_resolution(error: str, requirement: str) -> str:
