@@ -37,7 +37,8 @@ CELLS = {cell.id: cell for cell in settings.load_cells_or_exit(ROOT)}
 @nox.parametrize("cell_id", [nox.param(c.id, id=c.nox_id, tags=c.tags) for c in CELLS.values()])
 def matrix(session: nox.Session, cell_id: str) -> None:
     """Install one cell with uv, run the connector suite in it, write results/<cell-id>.json."""
-    from kvcompat.runner import DiskFullError, run_cell
+    from kvcompat.run.install import DiskFullError
+    from kvcompat.run.workflow import run_cell
 
     cell = CELLS[cell_id]
     opts = settings.run_options(ROOT, session.posargs)
@@ -59,7 +60,7 @@ def matrix(session: nox.Session, cell_id: str) -> None:
 @nox.session(python=False)
 def report(session: nox.Session) -> None:
     """Merge results/ (or the folders given after --, from any number of machines) into reports/compat.*."""
-    from kvcompat.report import print_table
+    from kvcompat.report.terminal import print_table
 
     # Posargs meant for the matrix cells (--force, pytest options) reach a notified report too:
     # only existing folders count as result folders.
@@ -73,7 +74,7 @@ def report(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The harness's own tests: matrix parsing, cells, runner, plugin, report. No vLLM needed."""
     session.install("-e", ".[test]")
-    session.run("pytest", "tests/harness", *session.posargs)
+    session.run("pytest", *session.posargs)
 
 
 @nox.session(python=False)

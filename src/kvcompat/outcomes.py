@@ -15,7 +15,7 @@ import enum
 from collections.abc import Iterable
 
 # A test that finds a capability truly absent from the installed release calls
-# ``not_applicable(reason)``; the pytest plugin recognises this prefix on the
+# ``kvcompat.testkit.not_applicable(reason)``; the pytest plugin recognises this prefix on the
 # skip message.  Any other skip is reported as an error, so a test cannot hide
 # behind ``pytest.skip``.
 NOT_APPLICABLE_PREFIX = "kvcompat-not-applicable: "
@@ -52,17 +52,6 @@ class TestOutcome(str, enum.Enum):
     FAILED = "failed"
     ERROR = "error"
     NOT_APPLICABLE = "not_applicable"
-
-
-def not_applicable(reason: str) -> None:
-    """Mark the running test not-applicable to this release and stop it.
-
-    Call this only after an explicit probe found a capability absent (see
-    :mod:`kvcompat.probes`), never because an import or a call raised.
-    """
-    import pytest
-
-    pytest.skip(NOT_APPLICABLE_PREFIX + reason)
 
 
 def cell_outcome(test_outcomes: Iterable[TestOutcome | str]) -> Outcome:

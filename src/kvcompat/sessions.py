@@ -11,11 +11,12 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from kvcompat import bisect as bis
+from kvcompat import bisection as bis
 from kvcompat import index
 from kvcompat.cells import Cell, resolve_cells
 from kvcompat.matrix import Entry
-from kvcompat.runner import RunOptions, run_cell
+from kvcompat.run.options import RunOptions
+from kvcompat.run.workflow import run_cell
 
 SITE = "lib/python3.11/site-packages"
 
@@ -29,7 +30,8 @@ def update_report(root: Path, dirs: list[Path]):
     """
     import fcntl
 
-    from kvcompat.report import build_report, write_reports
+    from kvcompat.report.model import build_report
+    from kvcompat.report.write import write_reports
 
     out = root / "reports"
     out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from kvcompat.cells import Cell, resolve_cells
 from kvcompat.index import IndexError_
 from kvcompat.matrix import MatrixError, load_matrix
-from kvcompat.runner import RunOptions
+from kvcompat.run.options import RunOptions
 
 ENV_MATRIX = "KVCOMPAT_MATRIX"
 

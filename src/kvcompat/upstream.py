@@ -5,7 +5,7 @@ not ship ``tests/``).  Only the connector tests and what they import are
 extracted, into ``cache_dir/<version>/``, which then serves as pytest's rootdir::
 
     suite = upstream.prepare("0.33.0", cache_dir)
-    cmd = [python, "-m", "pytest", str(suite.path), "-p", "kvcompat.pytest_plugin",
+    cmd = [python, "-m", "pytest", str(suite.path), "-p", "kvcompat.testkit.pytest_plugin",
            f"--kvcompat-json={json}", "--kvcompat-suite=upstream", *suite.pytest_args]
     subprocess.run(cmd, cwd=suite.rootdir, env={**os.environ, **suite.env})
 
@@ -44,8 +44,8 @@ from pathlib import Path, PurePosixPath
 from kvcompat import simple_api
 
 ENV_INDEX = "KVCOMPAT_UPSTREAM_INDEX"  # overrides the index (simple API root) used by fetch_tests
-ENV_PLATFORM = "KVCOMPAT_UPSTREAM_PLATFORM"  # "cpu": the pytest plugin half of this module selects CpuPlatform
 MANIFEST = "kvcompat-upstream.json"
+CPU_PLATFORM_PLUGIN = "kvcompat.testkit.cpu_platform_plugin"  # in-cell: imports vLLM
 MANIFEST_FORMAT = 2  # bump when the extraction rules change; older caches are re-extracted
 
 UNIT = "tests/v1/kv_connector/unit"
@@ -69,7 +69,7 @@ class UpstreamError(RuntimeError):
 class UpstreamSuite:
     """What the runner needs to run one release's upstream connector tests.
 
-    Run ``python -m pytest <path> -p kvcompat.pytest_plugin --kvcompat-json=…
+    Run ``python -m pytest <path> -p kvcompat.testkit.pytest_plugin --kvcompat-json=…
     --kvcompat-suite=upstream <pytest_args>`` with ``env`` added to the
     environment and ``cwd=rootdir``.
     """
@@ -476,7 +476,7 @@ def prepare(version: str, cache_dir: Path, *, index_url: str | None = None, plat
     official CUDA wheels resolve to UnspecifiedPlatform on a GPU-less box);
     ``"cpu"`` selects vLLM's CpuPlatform, as our own suite does: it sets
     ``VLLM_TARGET_DEVICE=cpu`` (honoured from 0.28.0) and loads this module as
-    a pytest plugin (``-p kvcompat.upstream``), which sets
+    loads :mod:`kvcompat.testkit.cpu_platform_plugin`, which sets
     ``vllm.platforms._current_platform`` for older releases before any
     conftest imports vLLM, and stops the run (usage error) if the platform
     is not CpuPlatform afterwards.
@@ -499,8 +499,7 @@ def prepare(version: str, cache_dir: Path, *, index_url: str | None = None, plat
     pytest_args = ["-p", "no:cacheprovider", f"--rootdir={root}"]
     if platform == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
-        env[ENV_PLATFORM] = "cpu"
-        pytest_args += ["-p", "kvcompat.upstream"]  # selects CpuPlatform before upstream's conftest imports vLLM
+        pytest_args += ["-p", CPU_PLATFORM_PLUGIN]  # selects CpuPlatform before upstream's conftest imports vLLM
     elif platform != "native":
         raise ValueError(f"platform must be 'native' or 'cpu', not {platform!r}")
     targets = list(info["targets"])
@@ -522,52 +521,3 @@ def prepare(version: str, cache_dir: Path, *, index_url: str | None = None, plat
         targets=targets, model_ids=mentioned, missing_models=[m for m in mentioned if m not in MODEL_CONFIGS],
         deselected=deselected,
     )
-
-
-# --------------------------------------------------------------------------------------
-# pytest plugin half (``-p kvcompat.upstream``), active only with KVCOMPAT_UPSTREAM_PLATFORM=cpu
-
-_platform_note: str | None = None
-
-
-def select_cpu_platform() -> str:
-    """Make vLLM's ``current_platform`` a CpuPlatform in this process; return how.  Imports vLLM.
-
-    Raises if it cannot, or if an already-imported vLLM module holds the
-    platform vLLM resolved first (it would keep using it).
-    """
-    import sys
-
-    import vllm.platforms as platforms
-
-    how = "VLLM_TARGET_DEVICE=cpu"
-    first = platforms.current_platform
-    if type(first).__name__ != "CpuPlatform":  # the release ignores VLLM_TARGET_DEVICE
-        from vllm.platforms.cpu import CpuPlatform
-
-        platforms._current_platform = CpuPlatform()
-        how = f"vllm.platforms._current_platform = CpuPlatform() (the release resolved {type(first).__name__})"
-        stale = sorted(name for name, mod in list(sys.modules.items())
-                       if name.startswith("vllm") and getattr(mod, "current_platform", None) is first)
-        if stale:
-            raise RuntimeError(f"{how}, but these modules already hold the old platform: {', '.join(stale)}")
-    got = type(platforms.current_platform).__name__
-    if got != "CpuPlatform":
-        raise RuntimeError(f"could not select CpuPlatform ({how}); vLLM resolved {got}")
-    return how
-
-
-def pytest_load_initial_conftests(early_config, parser, args) -> None:  # pragma: no cover - runs in cells
-    global _platform_note
-    if os.environ.get(ENV_PLATFORM) != "cpu":
-        return
-    import pytest
-
-    try:
-        _platform_note = select_cpu_platform()
-    except Exception as exc:  # noqa: BLE001 - any failure here must stop the run, visibly
-        raise pytest.UsageError(f"kvcompat.upstream: {type(exc).__name__}: {exc}") from exc
-
-
-def pytest_report_header(config) -> str | None:  # pragma: no cover - runs in cells
-    return f"kvcompat upstream platform: CpuPlatform via {_platform_note}" if _platform_note else None

@@ -4,9 +4,9 @@ This folder runs inside every matrix cell, in one pytest process, with the
 cell's vLLM installed.  vLLM is imported once per session (lazily, from the
 fixtures below); test modules import only kvcompat at module level.
 
-Construction differences between releases live in kvcompat.vllm_adapter.
+Construction differences between releases live in kvcompat.testkit.adapter.
 Whether the pair of connectors exists at all is decided by explicit probes of
-the installed distribution (kvcompat.probes); a release without them makes every
+the installed distribution (kvcompat.testkit.probes); a release without them makes every
 test here not-applicable.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from kvcompat import probes
-from kvcompat import vllm_adapter as va
-from kvcompat.outcomes import not_applicable
+from kvcompat.testkit import probes
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit import not_applicable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcompat import vllm_adapter as va
-from kvcompat.outcomes import not_applicable
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit import not_applicable
 
 from conftest import BLOCK, token_ids
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from packaging.version import Version
 
-from kvcompat import probes
-from kvcompat import vllm_adapter as va
+from kvcompat.testkit import probes
+from kvcompat.testkit import adapter as va
 
 from conftest import BLOCK, token_ids
 

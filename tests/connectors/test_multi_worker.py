@@ -1,6 +1,6 @@
 """Worker-side contracts of MultiConnector([NixlConnector, CPU offload]) on CPU.
 
-NIXL is replaced by kvcompat.fake_nixl.FakeNixlWrapper, patched at the
+NIXL is replaced by kvcompat.testkit.fake_nixl.FakeNixlWrapper, patched at the
 release's NixlWrapper target (N1/N2/N3).  The process runs on vLLM's own
 CpuPlatform (selected in conftest), whose device type "cpu" is in
 _NIXL_SUPPORTED_DEVICE from 0.11.2.
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from kvcompat import vllm_adapter as va
-from kvcompat.fake_nixl import FakeNixlWrapper
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 
 from conftest import BLOCK, build_worker, token_ids
 

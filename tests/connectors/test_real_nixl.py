@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 
-from kvcompat import vllm_adapter as va
-from kvcompat.outcomes import not_applicable
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit import not_applicable
 
 from conftest import BLOCK, build_worker, token_ids
 

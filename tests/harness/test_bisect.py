@@ -5,7 +5,7 @@ import math
 import pytest
 from packaging.version import Version
 
-from kvcompat import bisect as bis
+from kvcompat import bisection as bis
 from kvcompat.cells import Cell
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.results import CellResult, TestResult

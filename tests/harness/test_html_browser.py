@@ -12,7 +12,8 @@ import pytest
 
 from kvcompat.cells import Cell
 from kvcompat.outcomes import Outcome, TestOutcome
-from kvcompat.report import build_report, write_reports
+from kvcompat.report.model import build_report
+from kvcompat.report.write import write_reports
 from kvcompat.results import CellResult, TestResult, write_result
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

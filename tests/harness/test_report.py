@@ -5,7 +5,11 @@ import xml.etree.ElementTree as ET
 
 from kvcompat.cells import Cell
 from kvcompat.outcomes import Outcome, TestOutcome
-from kvcompat.report import build_report, render_junit, render_markdown, render_terminal, write_reports
+from kvcompat.report.junit import render_junit
+from kvcompat.report.markdown import render_markdown
+from kvcompat.report.model import build_report
+from kvcompat.report.terminal import render_terminal
+from kvcompat.report.write import write_reports
 from kvcompat.results import CellResult, TestResult, write_result
 
 
@@ -121,7 +125,7 @@ def test_suite_columns_and_disagreement(tmp_path):
 
 
 def test_html_grid_and_drilldown_markup(tmp_path):
-    from kvcompat.html import render_html
+    from kvcompat.report.webpage import render_html
 
     html = render_html(build_report([sample(tmp_path)]))
     assert html.count('<td class="cell"') == 4

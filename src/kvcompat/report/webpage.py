@@ -11,7 +11,7 @@ import re
 from html import escape
 
 from kvcompat.outcomes import Outcome, TestOutcome
-from kvcompat.report import Report, GridCell, short_test
+from kvcompat.report.model import GridCell, Report, short_test
 
 COLOURS = {
     Outcome.PASS: ("#1a7f37", "#dafbe1"),

@@ -1,7 +1,8 @@
 """A fake NIXL agent (``nixl._api.nixl_agent``) for connector tests without NIXL.
 
 It mimics the observable behaviour of real NIXL 1.5.x as measured on CPU
-(see shared/notes/nixl-on-cpu.md):
+(nixl 1.5.1, UCX backend over loopback; tests/connectors/test_real_nixl.py runs
+the real library and is the reference for these behaviours):
 
 * ``add_remote_agent(metadata)`` returns the remote agent name as ``bytes``;
 * ``get_new_notifs()`` returns ``{str agent name: [bytes, ...]}`` and drains;
@@ -248,11 +249,3 @@ class FakeNixlWrapper:
 
     def send_notif(self, remote_agent_name: str | bytes, notif_msg: bytes = b"", *args: Any, **kwargs: Any) -> None:
         self._record("send_notif", (remote_agent_name, notif_msg) + args, kwargs)
-
-
-class FakeNixlAgentConfig:
-    """Stand-in for ``nixl._api.nixl_agent_config`` (records its keyword arguments)."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        self.args = args
-        self.kwargs = kwargs

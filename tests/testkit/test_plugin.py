@@ -6,7 +6,7 @@ import platform
 
 SUITE = '''
 import pytest
-from kvcompat.outcomes import not_applicable
+from kvcompat.testkit import not_applicable
 
 def test_passes():
     assert 1 + 1 == 2
@@ -44,7 +44,7 @@ def test_teardown_error(bad_teardown):
 def run(pytester, source, **more):
     pytester.makepyfile(test_suite=source, **more)
     out = pytester.path / "out.json"
-    result = pytester.runpytest_subprocess("-p", "kvcompat.pytest_plugin", f"--kvcompat-json={out}")
+    result = pytester.runpytest_subprocess("-p", "kvcompat.testkit.pytest_plugin", f"--kvcompat-json={out}")
     return result, json.loads(out.read_text())
 
 
@@ -84,7 +84,7 @@ def test_deselected_tests_are_listed(pytester):
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs CUDA\n")
     pytester.makepyfile(test_suite="import pytest\n\n@pytest.mark.gpu\ndef test_gpu():\n    pass\n\ndef test_cpu():\n    pass\n")
     out = pytester.path / "out.json"
-    pytester.runpytest_subprocess("-p", "kvcompat.pytest_plugin", f"--kvcompat-json={out}", "-m", "not gpu")
+    pytester.runpytest_subprocess("-p", "kvcompat.testkit.pytest_plugin", f"--kvcompat-json={out}", "-m", "not gpu")
     data = json.loads(out.read_text())
     assert [(t["nodeid"], t["outcome"]) for t in data["tests"]] == [("test_suite.py::test_cpu", "passed")]
     assert data["deselected"] == ["test_suite.py::test_gpu"]

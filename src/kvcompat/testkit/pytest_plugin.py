@@ -1,6 +1,6 @@
 """pytest plugin run inside each cell: collects per-test results through hooks.
 
-Enabled with ``-p kvcompat.pytest_plugin --kvcompat-json PATH``.  At session
+Enabled with ``-p kvcompat.testkit.pytest_plugin --kvcompat-json PATH``.  At session
 end it writes PATH atomically with every test's outcome, duration and message,
 plus collection errors and pytest's exit status.  The cell runner merges this
 into results/<cell-id>.json; nothing here parses pytest's terminal output.

@@ -1,0 +1,230 @@
+"""The report model: results/*.json -> a grid of cells, regressions, and changes since last time.
+
+Rows are vLLM releases; columns are torch versions (and, when more than one
+suite ran, the suite: ours/fake, ours/real-nixl, upstream).  The renderers beside
+this module (markdown, webpage, junit, terminal, jsonfile) each turn a
+:class:`Report` into one format; they depend on this model and never on each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
+from kvcompat.results import CellResult, TestResult, count_tests, load_results
+
+BAD_TESTS = (TestOutcome.FAILED, TestOutcome.ERROR)
+
+
+def _version_key(text: str) -> tuple:
+    try:
+        return (1, Version(text))
+    except InvalidVersion:
+        return (0, Version("0"))
+
+
+@dataclasses.dataclass
+class GridCell:
+    """One suite of one cell: what a grid square shows."""
+
+    result: CellResult
+    suite: str
+    outcome: Outcome
+    detail: str
+    tests: list[TestResult]
+
+    @property
+    def row(self) -> str:
+        c = self.result.cell
+        label = c["vllm"] if c["dist"] == "vllm" else f"{c['dist']} {c['vllm']}"
+        return label + (" (wheel)" if c.get("wheel") else "")
+
+    @property
+    def torch_label(self) -> str:
+        c = self.result.cell
+        return f"torch {c['torch']}" + (" (override)" if c.get("torch_override") else "")
+
+    @property
+    def suite_label(self) -> str:
+        nixl = self.result.cell.get("nixl", "fake")
+        if self.suite == "ours":
+            return "ours/fake" if nixl == "fake" else f"ours/real-nixl {nixl}"
+        return self.suite
+
+    @property
+    def lane(self) -> tuple:
+        """Cells comparable across releases: same dist, torch policy, NIXL and suite."""
+        c = self.result.cell
+        torch = c["torch"] if c.get("torch_override") else "pinned"
+        return (c["dist"], torch, self.suite_label)
+
+    @property
+    def key(self) -> str:
+        return f"{self.result.id}::{self.suite}"
+
+    def counts(self) -> dict[str, int]:
+        return count_tests(self.tests)
+
+    def text(self) -> str:
+        counts, total = self.counts(), len(self.tests)
+        text = f"{self.outcome.label}"
+        if total:
+            text += f" {counts['passed']}/{total}"
+            if counts["not_applicable"]:
+                text += f" ({counts['not_applicable']} n/a)"
+        return text
+
+
+def grid_cells(result: CellResult) -> list[GridCell]:
+    suites = list(result.suites) or sorted({t.suite for t in result.tests}) or ["ours"]
+    out = []
+    for suite in suites:
+        tests = [t for t in result.tests if t.suite == suite]
+        info = result.suites.get(suite)
+        if info:
+            outcome, detail = Outcome(info["outcome"]), info.get("detail", "")
+        elif len(suites) == 1:
+            outcome, detail = result.outcome, result.detail
+        else:
+            outcome, detail = cell_outcome(t.outcome for t in tests), ""
+        out.append(GridCell(result, suite, outcome, detail, tests))
+    return out
+
+
+@dataclasses.dataclass
+class Episode:
+    """A run of consecutive releases (in one lane) where a test failed or errored."""
+
+    test: str
+    lane: str
+    last_passed: str | None  # the release before the first failure (None: failing from the first tested one)
+    first_failed: str
+    last_failed: str
+    fixed_in: str | None  # the first passing release after it (None: still failing in the newest tested)
+
+
+@dataclasses.dataclass
+class Report:
+    results: list[CellResult]
+    generated: str
+    previous: dict[str, str] = dataclasses.field(default_factory=dict)  # "gridkey::nodeid" -> outcome, from the last report
+
+    def __post_init__(self) -> None:
+        self.cells = [gc for r in self.results for gc in grid_cells(r)]
+        self.multi_suite = len({gc.suite_label for gc in self.cells}) > 1
+
+    def column(self, gc: GridCell) -> str:
+        return f"{gc.torch_label} · {gc.suite_label}" if self.multi_suite else gc.torch_label
+
+    @property
+    def rows(self) -> list[str]:
+        keys = {gc.row: gc.result.cell["vllm"] for gc in self.cells}
+        return sorted(keys, key=lambda k: (_version_key(keys[k]), k), reverse=True)
+
+    @property
+    def columns(self) -> list[str]:
+        keys = {self.column(gc): (gc.result.cell["torch"], gc.suite_label) for gc in self.cells}
+        return sorted(keys, key=lambda k: (_version_key(keys[k][0]), k), reverse=True)
+
+    def at(self, row: str, column: str) -> GridCell | None:
+        return next((gc for gc in self.cells if gc.row == row and self.column(gc) == column), None)
+
+    def ordered(self) -> list[GridCell]:
+        """Grid cells in display order (rows, then columns)."""
+        return [gc for row in self.rows for col in self.columns if (gc := self.at(row, col))]
+
+    @property
+    def test_ids(self) -> list[str]:
+        return sorted({t.nodeid for gc in self.cells for t in gc.tests})
+
+    def totals(self) -> dict[str, int]:
+        counts = {o.value: 0 for o in Outcome}
+        for r in self.results:
+            counts[r.outcome.value] += 1
+        return counts
+
+    def outcomes(self) -> dict[str, str]:
+        """Flat map used to diff two reports: "cell::suite::nodeid" -> test outcome, "cell::suite" -> cell outcome."""
+        out = {}
+        for gc in self.cells:
+            out[gc.key] = gc.outcome.value
+            for t in gc.tests:
+                out[f"{gc.key}::{t.nodeid}"] = t.outcome.value
+        return out
+
+    def changes(self) -> dict[str, list[str]]:
+        """Tests (and cells) that newly fail or newly pass compared with the previous report."""
+        if not self.previous:
+            return {"new_failures": [], "new_passes": []}
+        now = self.outcomes()
+        bad = {TestOutcome.FAILED.value, TestOutcome.ERROR.value} | {o.value for o in Outcome if not o.is_green}
+        good = {TestOutcome.PASSED.value, Outcome.PASS.value}
+        new_fail = sorted(k for k, v in now.items() if v in bad and self.previous.get(k) not in bad)
+        new_pass = sorted(k for k, v in now.items() if v in good and self.previous.get(k) in bad)
+        return {"new_failures": new_fail, "new_passes": new_pass}
+
+    def disagreements(self) -> list[tuple[GridCell, GridCell]]:
+        """(ours, upstream) for each cell where our suite and vLLM's upstream suite disagree."""
+        by_cell: dict[str, dict[str, GridCell]] = defaultdict(dict)
+        for gc in self.cells:
+            by_cell[gc.result.id][gc.suite] = gc
+        out = []
+        for by_suite in by_cell.values():
+            ours, up = by_suite.get("ours"), by_suite.get("upstream")
+            if ours and up and ours.outcome.is_green != up.outcome.is_green:
+                out.append((ours, up))
+        return out
+
+    def episodes(self) -> list[Episode]:
+        """Per test and lane: where it last passed, first and last failed, and was fixed."""
+        lanes: dict[tuple, list[GridCell]] = defaultdict(list)
+        for gc in self.cells:
+            lanes[gc.lane].append(gc)
+        out = []
+        for lane, cells in lanes.items():
+            cells.sort(key=lambda gc: _version_key(gc.result.cell["vllm"]))
+            lane_name = " / ".join(x for x in lane if x != "vllm")
+            for test in sorted({t.nodeid for gc in cells for t in gc.tests}):
+                last_pass: str | None = None
+                open_ep: Episode | None = None
+                for gc in cells:
+                    t = next((t for t in gc.tests if t.nodeid == test), None)
+                    if t is None or t.outcome is TestOutcome.NOT_APPLICABLE:
+                        continue
+                    version = gc.result.cell["vllm"]
+                    if t.outcome in BAD_TESTS:
+                        if open_ep is None:
+                            open_ep = Episode(test, lane_name, last_pass, version, version, None)
+                            out.append(open_ep)
+                        open_ep.last_failed = version
+                    else:
+                        if open_ep is not None:
+                            open_ep.fixed_in = version
+                            open_ep = None
+                        last_pass = version
+        return out
+
+
+def short_test(nodeid: str) -> str:
+    return nodeid.split("/")[-1]
+
+
+def build_report(dirs: list[Path], previous: Path | None = None) -> Report:
+    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    prev = {}
+    if previous is not None and previous.is_file():
+        try:
+            prev = json.loads(previous.read_text()).get("outcomes", {})
+        except ValueError:
+            prev = {}
+    return Report(results=load_results(*dirs), generated=now, previous=prev)
+
+
+
+

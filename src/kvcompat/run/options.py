@@ -1,0 +1,30 @@
+"""The knobs of a cell run, resolved once (by kvcompat.options, bisect or tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """Knobs of a cell run."""
+
+    repo: Path
+    results_dir: Path
+    suite: str = "tests/connectors"
+    timeout_s: float = 1800.0  # whole pytest run
+    install_timeout_s: float = 1800.0
+    import_timeout_s: float = 600.0
+    force: bool = False  # ignore a cached result with the same key
+    pytest_args: tuple[str, ...] = ()
+    min_free_gb: float = 15.0  # a fresh CUDA-torch cell can take ~10 GB if nothing is cached
+    work_dir: Path | None = None  # per-cell logs and locks; default .kvcompat/cells
+    # An unchanged cell is confirmed by an offline resolution (0.3 s) only while its
+    # last online resolution is younger than this; after that the index is asked again.
+    lock_ttl_s: float = 3600.0
+    heartbeat_s: float = 30.0  # how often a long phase says it is still running
+
+    @property
+    def work_root(self) -> Path:
+        return self.work_dir or self.repo / ".kvcompat" / "cells"

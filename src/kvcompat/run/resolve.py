@@ -1,0 +1,163 @@
+"""Phase 1: resolve the cell's requirements into a lock, and decide whether the cell is unchanged.
+
+A cell's identity (its cache key) is the resolved lock, the in-cell code, the exact
+Python, and what selects or bounds its tests.  An unchanged cell is answered from
+its result file without installing or testing anything.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from kvcompat import index
+from kvcompat.atomic import write_atomic
+from kvcompat.cells import Cell, constraints_for
+from kvcompat.outcomes import Outcome
+from kvcompat.results import CellResult, write_result
+from kvcompat.run import record
+from kvcompat.run.context import CellContext
+from kvcompat.run.options import RunOptions
+
+IN_CELL_PACKAGE = "kvcompat.testkit"
+
+
+@dataclasses.dataclass
+class Resolved:
+    """A fresh lock for the cell, and the key a result built from it carries."""
+
+    lock: str
+    key: str
+    resolved_at: float  # epoch seconds of the online resolution
+
+
+def in_cell_sources(repo: Path) -> list[Path]:
+    """The harness code a cell runs: the in-cell package and the kvcompat modules it imports.
+
+    Derived from the imports, so a module added to the testkit (or a new shared module it
+    starts to import) counts at once, and harness-only edits never invalidate cached cells.
+    """
+    src = repo / "src"
+    package = src / Path(*IN_CELL_PACKAGE.split("."))
+    found = sorted(package.rglob("*.py")) if package.is_dir() else []
+    shared: set[Path] = set()
+    for path in found:
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for name in names:
+                if name.startswith("kvcompat.") and not name.startswith(IN_CELL_PACKAGE):
+                    shared.add(src / Path(*name.split(".")).with_suffix(".py"))
+    init = src / "kvcompat" / "__init__.py"
+    return found + sorted(p for p in shared | {init} if p.is_file())
+
+
+def suite_hash(repo: Path, suite: str, extra: tuple[str, ...] = ()) -> str:
+    """Hash of everything that runs inside a cell: the suite folder, the in-cell code, and ``extra`` files."""
+    h = hashlib.sha256()
+    suite_dir = repo / suite  # an absolute suite (tests' throwaway suites) stays absolute
+    groups = [(suite_dir, sorted(suite_dir.rglob("*.py")) if suite_dir.is_dir() else []),
+              (repo, in_cell_sources(repo) + [repo / p for p in extra])]
+    for base, files in groups:
+        for path in files:
+            h.update(str(path.relative_to(base)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cell_suite_hash(cell: Cell, opts: RunOptions) -> str:
+    # What the upstream suite runs is decided in the harness (which files, which models, what is deselected).
+    extra = ("src/kvcompat/upstream.py",) if "upstream" in cell.suites else ()
+    return suite_hash(opts.repo, opts.suite, extra)
+
+
+def cache_key(lock: str, suite: str, cell: Cell, python: str, opts: RunOptions) -> str:
+    """Identity of a cell run: resolved lock, suite source, exact Python, NIXL, suites, a local wheel's
+    bytes, and what selects or bounds the tests (pytest arguments, timeout): a ``-k`` subset that
+    passed must never answer for the whole suite."""
+    wheel = hashlib.sha256(cell.wheel.read_bytes()).hexdigest() if cell.wheel else None
+    run = [list(opts.pytest_args), opts.timeout_s]
+    return hashlib.sha256(json.dumps([lock, suite, python, cell.nixl, list(cell.suites), wheel, run]).encode()).hexdigest()[:16]
+
+
+def interpreter(ctx: CellContext) -> str:
+    """The exact Python version the cell runs on: its venv's, else the one uv would create it with."""
+    cfg = ctx.venv / "pyvenv.cfg"
+    if cfg.is_file():
+        for line in cfg.read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() in ("version_info", "version"):  # uv writes the first, `python -m venv` the second
+                return value.strip()
+    proc = subprocess.run([index.uv_bin(), "python", "find", ctx.cell.python, "--show-version"],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else ctx.cell.python
+
+
+def resolve_lock(ctx: CellContext, *, offline: bool) -> index.Resolution:
+    return index.resolve(
+        ctx.cell.requirements(),
+        python=ctx.cell.python,
+        constraints=constraints_for(ctx.cell.vllm, ctx.opts.repo / "constraints"),
+        overrides=ctx.cell.overrides(),
+        offline=offline,
+    )
+
+
+def unchanged(ctx: CellContext, cached: CellResult | None) -> bool:
+    """Fast path: a recent online lock, re-derived offline, still gives the cached key."""
+    if ctx.opts.force or cached is None or cached.cache_key is None or cached.resolved_at is None:
+        return False
+    if time.time() - cached.resolved_at > ctx.opts.lock_ttl_s:
+        return False
+    res = resolve_lock(ctx, offline=True)
+    suite = cell_suite_hash(ctx.cell, ctx.opts)
+    return res.ok and cache_key(res.lock, suite, ctx.cell, interpreter(ctx), ctx.opts) == cached.cache_key
+
+
+def phase(ctx: CellContext, cached: CellResult | None) -> Resolved | CellResult:
+    """Resolve online (one retry when the index could not be asked); end the run when unresolvable,
+    when the index is unreachable, or when the fresh lock gives the cached result's key."""
+    with ctx.timed("resolve"):
+        res = resolve_lock(ctx, offline=False)
+        if not res.ok and not res.unsatisfiable:  # the index could not be asked: one retry, as for installs
+            ctx.files.append_log(res.error)
+            ctx.say("resolve failed without a verdict from the index; retrying")
+            res = resolve_lock(ctx, offline=False)
+        resolved_at = time.time()
+        ctx.files.append_log(res.lock or res.error)
+    if res.unsatisfiable:
+        return record.finish(ctx, Outcome.UNRESOLVABLE, explain_resolution(res.error, ctx.cell.vllm_requirement))
+    if not res.ok:  # a network failure is not a verdict on the release
+        return record.finish(ctx, Outcome.INSTALL_ERROR, "could not resolve: " + root_cause(res.error))
+    write_atomic(ctx.files.lock, res.lock)
+    key = cache_key(res.lock, cell_suite_hash(ctx.cell, ctx.opts), ctx.cell, interpreter(ctx), ctx.opts)
+    if cached is not None and cached.cache_key == key and not ctx.opts.force:
+        cached.resolved_at = resolved_at  # the online check is fresh again
+        write_result(ctx.opts.results_dir, cached)
+        return record.reuse(ctx, cached)
+    return Resolved(res.lock, key, resolved_at)
+
+
+def explain_resolution(error: str, requirement: str) -> str:
+    """One line from uv's resolver output: the first 'Because …' sentence, else its first line."""
+    lines = [ln.strip(" ×╰─▶│").strip() for ln in error.splitlines()]
+    lines = [ln.removeprefix("error: ").removeprefix("cause: ") for ln in lines if ln]
+    for line in lines:
+        if line.startswith("Because"):
+            return line[:300]
+    return lines[0][:300] if lines else f"{requirement} cannot be resolved"
+
+
+def root_cause(error: str) -> str:
+    """uv's first error line with its innermost ``cause:``, e.g. "Failed to fetch: … (Connection refused)"."""
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    if not lines:
+        return "uv pip compile failed without output"
+    causes = [ln.removeprefix("cause:").strip() for ln in lines if ln.startswith("cause:")]
+    first = lines[0].removeprefix("error:").strip()
+    return (f"{first} ({causes[-1]})" if causes else first)[:300]

@@ -1,0 +1,152 @@
+"""Phase 3: run the cell's suites with pytest and read the in-cell plugin's results.
+
+Only the plugin's per-test outcomes can make a cell pass.  When the suite errors,
+an import probe tells "vLLM does not import" (import error) from a test error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from kvcompat.cells import Cell
+from kvcompat.matrix import NIXL_FAKE
+from kvcompat.outcomes import Outcome, cell_outcome
+from kvcompat.results import CellResult, TestResult, count_tests
+from kvcompat.run import record
+from kvcompat.run.context import CellContext
+from kvcompat.run.install import Installed
+from kvcompat.run.process import last_error_line
+
+PLUGIN = "kvcompat.testkit.pytest_plugin"
+# Run only when the suite errored: does vLLM import at all?  (A broken import errors every
+# test; the cell should then say import error.)  A passing cell never pays for a second import.
+PROBE_MARK = "KVCOMPAT-PROBE vllm imported"
+PROBE_CODE = f"import vllm\nprint({PROBE_MARK!r})\n"
+# pytest's exit statuses other than 0 (all passed) and 1 (some failed): none is a verdict on vLLM.
+PYTEST_EXIT = {2: "interrupted, e.g. by a collection error", 3: "internal error", 4: "usage error, e.g. a conftest crash",
+               5: "no tests collected"}
+
+
+@dataclasses.dataclass
+class SuiteRun:
+    """How to invoke pytest for one suite inside a cell."""
+
+    path: str
+    cwd: Path
+    args: list[str]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class SuiteVerdict:
+    """What one suite's pytest run gave."""
+
+    outcome: Outcome
+    detail: str
+    tests: list[TestResult]
+    python: str | None = None  # as the cell's pytest reports it
+
+
+def suite_marker(cell: Cell) -> str:
+    """Which of our tests a cell runs.
+
+    Real-NIXL tests need nixl installed: they run in nixl cells, the others in fake
+    cells.  Tests marked ``gpu`` drive a child whose worker needs CUDA (the CPU-offload
+    connectors' copy streams): they run only on GPU cells and are not counted on CPU
+    cells; the report says how many were left out.
+    """
+    marker = "real_nixl" if cell.nixl != NIXL_FAKE else "not real_nixl"
+    return marker if cell.runner == "gpu" else f"{marker} and not gpu"
+
+
+def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
+    """Where and how to run ``suite`` in this cell."""
+    if suite == "ours":
+        return SuiteRun(path=ctx.opts.suite, cwd=ctx.opts.repo, args=["-m", suite_marker(ctx.cell)])
+    if suite == "upstream":
+        from kvcompat import upstream  # stdlib-only; fetches vLLM's sdist tests once per release
+
+        # platform="cpu": vLLM's CpuPlatform, as for our suite (the official wheels otherwise
+        # resolve to UnspecifiedPlatform here). Engine tests build LLM(...) with real weights,
+        # which cannot exist offline: they are deselected, and the report lists them.
+        up = upstream.prepare(ctx.cell.vllm, ctx.opts.repo / ".kvcompat" / "upstream", platform="cpu",
+                              exclude_engine_tests=True)
+        return SuiteRun(path=str(up.path), cwd=Path(up.rootdir), args=list(up.pytest_args), env=dict(up.env))
+    raise ValueError(f"unknown suite {suite!r}")
+
+
+def run_pytest(ctx: CellContext, suite: str, run: SuiteRun) -> SuiteVerdict:
+    """One pytest run with the in-cell plugin; the verdict comes from the plugin's JSON, never from the output."""
+    report = ctx.files.pytest_report(suite)
+    report.unlink(missing_ok=True)
+    cmd = [
+        ctx.python, "-m", "pytest", run.path, "-p", PLUGIN, f"--kvcompat-json={report}",
+        f"--kvcompat-suite={suite}", "-p", "no:cacheprovider", "-q", "-rA", "--tb=short", f"--rootdir={run.cwd}",
+        *run.args, *ctx.opts.pytest_args,
+    ]
+    rc, out = ctx.sh(cmd, timeout=ctx.opts.timeout_s, phase="test", env=run.env, cwd=run.cwd)
+    data = _read_json(report)
+    tests = [TestResult.from_json(t) for t in data.get("tests", [])] if data else []
+    python = data.get("python") if data else None
+    if rc is None:
+        return SuiteVerdict(Outcome.TIMEOUT, f"pytest did not finish in {ctx.opts.timeout_s:.0f}s (process group killed)",
+                            tests, python)
+    if data is None:
+        return SuiteVerdict(Outcome.TEST_ERROR, f"pytest exited {rc} without writing results: "
+                            + last_error_line(out, "crashed"), tests)
+    if rc not in (0, 1):
+        meaning = PYTEST_EXIT.get(rc, "crashed")
+        return SuiteVerdict(Outcome.TEST_ERROR, f"pytest exit status {rc} ({meaning}): " + last_error_line(out, "no tests ran"),
+                            tests, python)
+    outcome = cell_outcome(t.outcome for t in tests)
+    if rc == 0 and outcome is Outcome.TEST_FAIL or rc == 1 and outcome is Outcome.PASS:
+        return SuiteVerdict(Outcome.TEST_ERROR, f"pytest exit status {rc} disagrees with the recorded tests ({outcome.value})",
+                            tests, python)
+    detail = f"{count_tests(tests)['passed']}/{len(tests)} tests passed"
+    if data.get("deselected"):
+        names = ", ".join(sorted(n.split("::")[-1] for n in data["deselected"]))
+        why = " ".join(run.args[run.args.index("-m"):][:2]) if "-m" in run.args else "deselected"
+        detail += f"; {len(data['deselected'])} not run here ({why}): " + (names if len(names) < 300 else names[:300] + "…")
+    return SuiteVerdict(outcome, detail, tests, python)
+
+
+def phase(ctx: CellContext, installed: Installed) -> CellResult:
+    """Run each of the cell's suites; the cell's verdict is our suite's (upstream is reported beside it)."""
+    tests: list[TestResult] = []
+    info: dict[str, dict] = {}
+    python = None
+    for suite in ctx.cell.suites:
+        name = "test" if suite == "ours" else f"test:{suite}"
+        with ctx.timed(name):
+            try:
+                run = suite_run(ctx, suite)
+            except Exception as exc:  # e.g. the sdist cannot be fetched: that suite errors, visibly
+                verdict = SuiteVerdict(Outcome.TEST_ERROR, f"could not prepare the {suite} suite: {exc}", [])
+            else:
+                verdict = run_pytest(ctx, suite, run)
+        tests += verdict.tests
+        python = python or verdict.python
+        info[suite] = {"outcome": verdict.outcome.value, "detail": verdict.detail, "seconds": ctx.phases[name]}
+    main = info.get("ours") or next(iter(info.values()))
+    outcome, detail = Outcome(main["outcome"]), main["detail"]
+    versions = installed.versions
+    if outcome is Outcome.TEST_ERROR:
+        with ctx.timed("import"):
+            rc, out = ctx.sh([ctx.python, "-c", PROBE_CODE], timeout=ctx.opts.import_timeout_s, phase="import")
+        if rc is None:
+            return record.finish(ctx, Outcome.TIMEOUT, f"import vllm did not finish in {ctx.opts.import_timeout_s:.0f}s",
+                                 versions=versions)
+        if rc != 0 or PROBE_MARK not in out.splitlines():
+            return record.finish(ctx, Outcome.IMPORT_ERROR, last_error_line(out, "import vllm failed"), versions=versions)
+    resolved = installed.resolved
+    return record.finish(ctx, outcome, detail, tests=tests, versions=versions, python=python, cache_key=resolved.key,
+                         resolved_at=resolved.resolved_at, suites=info)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,159 @@
+"""The VllmConfig the suite builds: a tiny local model, and MultiConnector([Nixl, CPU offload]).
+
+The tiny model has no weights and needs no hub.  Its head size 32 and block size
+32 suit the CPU attention backend, which takes head sizes 32..512 and block sizes
+that are a multiple of 32.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+from kvcompat.testkit.adapter.capabilities import call_with_supported, has_simple_cpu_offload, offload_child_name
+from kvcompat.testkit import probes
+
+
+# Tiny local model (no weights, no hub).  head_size 32 and block_size 32 suit the
+# CPU attention backend (head sizes 32..512, block size a multiple of 32).
+TINY_MODEL_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+NUM_KV_HEADS = 2
+HEAD_SIZE = 32
+LAYER_NAMES = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 1024
+EOS_TOKEN_ID = 2
+SAMPLED_TOKEN_ID = 100  # any non-EOS token
+
+
+def write_tiny_model(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_MODEL_CONFIG, indent=1))
+    return directory
+
+
+def offload_child_extra_config(block_size: int, num_gpu_blocks: int) -> dict[str, Any]:
+    """Extra config of the CPU-offload child: room for as many CPU blocks as GPU ones."""
+    page = 2 * NUM_KV_HEADS * HEAD_SIZE * 4 * block_size  # fp32 K+V per layer per block
+    cpu_bytes = page * len(LAYER_NAMES) * num_gpu_blocks
+    if has_simple_cpu_offload():
+        return {"cpu_bytes_to_use": cpu_bytes}
+    # OffloadingConnector (CPUOffloadingSpec): num_cpu_blocks up to 0.13,
+    # cpu_bytes_to_use from 0.14.1.  Probe the spec's source for the key it reads.
+    spec_src = inspect.getsource(importlib.import_module(_cpu_offloading_spec_module()))
+    if '"cpu_bytes_to_use"' in spec_src:
+        return {"cpu_bytes_to_use": cpu_bytes}
+    return {"num_cpu_blocks": num_gpu_blocks}
+
+
+def _cpu_offloading_spec_module() -> str:
+    if probes.has_module("vllm.v1.kv_offload.cpu.spec"):
+        return "vllm.v1.kv_offload.cpu.spec"
+    return "vllm.v1.kv_offload.cpu"
+
+
+def multi_kv_transfer_config(
+    block_size: int, num_gpu_blocks: int, engine_id: str = "kvcompat-engine"
+) -> Any:
+    """KVTransferConfig for MultiConnector([Nixl, CPU offload]); children without engine_id."""
+    from vllm.config import KVTransferConfig
+
+    children = [
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
+        {
+            "kv_connector": offload_child_name(),
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": offload_child_extra_config(block_size, num_gpu_blocks),
+        },
+    ]
+    return KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_buffer_device="cpu",
+        engine_id=engine_id,
+        kv_connector_extra_config={"connectors": children},
+    )
+
+
+def make_vllm_config(
+    model_dir: Path,
+    *,
+    block_size: int = BLOCK_SIZE,
+    num_gpu_blocks: int = 64,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 1024,
+    kv_transfer_config: Any = None,
+    disable_hybrid_kv_cache_manager: bool | None = None,
+) -> Any:
+    """VllmConfig with the tiny local model on DeviceConfig("cpu").
+
+    ``disable_hybrid_kv_cache_manager=None`` leaves the release's own default, so
+    the release decides whether HMA is on (its ``SchedulerConfig`` default became
+    ``None``, resolved by the release itself, in 0.17).
+    """
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_config = call_with_supported(
+        ModelConfig,
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        dtype="float32",
+        seed=0,
+        skip_tokenizer_init=True,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    sched_kwargs: dict[str, Any] = dict(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=MAX_MODEL_LEN,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+    )
+    if disable_hybrid_kv_cache_manager is not None:
+        sched_kwargs["disable_hybrid_kv_cache_manager"] = disable_hybrid_kv_cache_manager
+    scheduler_config = call_with_supported(SchedulerConfig, **sched_kwargs)
+    cache_config = call_with_supported(
+        CacheConfig,
+        block_size=block_size,
+        enable_prefix_caching=True,
+        cache_dtype="auto",
+    )
+    if kv_transfer_config is None:
+        kv_transfer_config = multi_kv_transfer_config(block_size, num_gpu_blocks)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=kv_transfer_config,
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+    return vllm_config
+
+
+def hma_enabled(vllm_config: Any) -> bool:
+    """Whether the release left the hybrid KV cache manager on for this config."""
+    return not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager

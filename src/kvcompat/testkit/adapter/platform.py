@@ -1,0 +1,57 @@
+"""Select vLLM's own CpuPlatform in this process, before any connector module reads it.
+
+One function, used by our suite's conftest and by the upstream suite's pytest plugin.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from kvcompat.testkit import probes
+
+
+def _target_device_env_selects_cpu() -> bool:
+    """Probe, without importing vLLM: does this release's ``cpu_platform_plugin``
+    (vllm/platforms/__init__.py) honour VLLM_TARGET_DEVICE?"""
+    import ast
+
+    path = probes.vllm_distribution().locate_file("vllm/platforms/__init__.py")
+    tree = ast.parse(Path(str(path)).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "cpu_platform_plugin":
+            return "VLLM_TARGET_DEVICE" in ast.unparse(node)
+    return False
+
+
+def select_cpu_platform() -> str:
+    """Select vLLM's own CpuPlatform for this process (construction only); return how.
+
+    The official CUDA wheels resolve to ``UnspecifiedPlatform`` on a GPU-less
+    box.  From 0.28.0 ``VLLM_TARGET_DEVICE=cpu`` makes vLLM's own resolver pick
+    ``CpuPlatform``; older releases get ``vllm.platforms._current_platform`` set
+    to a ``CpuPlatform`` before any connector module reads it.
+
+    Raises if the platform is not CpuPlatform afterwards, or if an already
+    imported vLLM module holds another platform (it would keep using it).
+    """
+    if _target_device_env_selects_cpu():
+        # Before vllm.envs / vllm.platforms are imported (some releases cache env reads).
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+        how = "VLLM_TARGET_DEVICE=cpu"
+        import vllm.platforms as platforms
+    else:
+        import vllm.platforms as platforms
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms._current_platform = CpuPlatform()
+        how = "vllm.platforms._current_platform = CpuPlatform()"
+    current = platforms.current_platform
+    if current.device_type != "cpu":
+        raise RuntimeError(f"could not select CpuPlatform ({how}); got {type(current).__name__}")
+    stale = sorted(name for name, mod in list(sys.modules.items())
+                   if name.startswith("vllm") and getattr(mod, "current_platform", current) is not current)
+    if stale:
+        raise RuntimeError(f"{how}, but these modules already hold another platform: {', '.join(stale)}")
+    return how
