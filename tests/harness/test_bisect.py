@@ -6,6 +6,8 @@ import pytest
 from packaging.version import Version
 
 from kvcompat import bisection as bis
+from kvcompat import options
+from kvcompat.options import OptionError
 from kvcompat.cells import Cell
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.results import CellResult, TestResult
@@ -84,13 +86,16 @@ def test_verdicts():
         bis.verdict_for(cell_result(Outcome.TEST_FAIL, tests), "test_nothing_like_this")
 
 
-def test_parse_args_errors():
-    with pytest.raises(bis.BisectError, match="required"):
-        bis.parse_args(["--good", "0.1.0"])
-    with pytest.raises(bis.BisectError, match="is not a folder"):
-        bis.parse_args(["--test", "t", "--good", "0.1.0", "--bad", "0.2.0", "--wheelhouse", "/no/such/dir"])
-    args = bis.parse_args(["--test", "t", "--good", "0.1.0", "--bad", "0.2.0", "--torch", "2.13.0"])
-    assert args.command("0.1.5", "0.2.0") == "nox -s bisect -- --test t --good 0.1.5 --bad 0.2.0 --torch 2.13.0"
+def test_bisect_options_and_resume_command():
+    with pytest.raises(OptionError, match="required: --test"):
+        options.parse("bisect", ["--good", "0.1.0", "--bad", "0.2.0"], {})
+    with pytest.raises(OptionError, match="is not a folder"):
+        options.parse("bisect", ["--test", "t", "--good", "0.1.0", "--bad", "0.2.0", "--wheelhouse", "/no/such/dir"], {})
+    values, _ = options.parse("bisect", ["--test", "t", "--good", "0.1.0", "--bad", "0.2.0", "--torch", "2.13.0"], {})
+    resume = options.command_line("bisect", {**vars(values), "good": "0.1.5"})
+    assert resume == "nox -s bisect -- --test t --good 0.1.5 --bad 0.2.0 --torch 2.13.0"
+    again, _ = options.parse("bisect", resume.split(" -- ")[1].split(), {})
+    assert vars(again) == {**vars(values), "good": "0.1.5"}  # the resume command round-trips
 
 
 def test_diff_trees(tmp_path):

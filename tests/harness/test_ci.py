@@ -58,5 +58,5 @@ def test_buildkite(tmp_path):
 def test_unknown_engine(tmp_path):
     import pytest
 
-    with pytest.raises(ValueError, match="unknown CI engine 'jenkins'"):
+    with pytest.raises(ci.PipelineError, match="unknown CI engine 'jenkins'"):
         ci.write("jenkins", tmp_path)

@@ -35,10 +35,10 @@ class FakeIndex:
 def test_releases_from_the_simple_api(tmp_path, monkeypatch, html):
     fake = FakeIndex(html)
     monkeypatch.setattr(simple_api, "http_get", fake)
-    monkeypatch.setenv("UV_DEFAULT_INDEX", "https://idx.example/simple/")
-    assert index.list_versions("vllm", cache_root=tmp_path) == [Version("0.32.0"), Version("0.33.0")]
+    url = "https://idx.example/simple"
+    assert index.list_versions("vllm", cache_root=tmp_path, index_url=url) == [Version("0.32.0"), Version("0.33.0")]
     assert fake.urls == ["https://idx.example/simple/vllm/"]  # the index uv resolves against
-    assert index.list_versions("vllm", cache_root=tmp_path) == [Version("0.32.0"), Version("0.33.0")]
+    assert index.list_versions("vllm", cache_root=tmp_path, index_url=url) == [Version("0.32.0"), Version("0.33.0")]
     assert len(fake.urls) == 1  # answered from the cache the second time
 
 
@@ -47,8 +47,7 @@ def test_unreachable_index_is_one_line(tmp_path, monkeypatch):
         raise OSError("[Errno 111] Connection refused")
 
     monkeypatch.setattr(simple_api, "http_get", refuse)
-    monkeypatch.setenv("UV_DEFAULT_INDEX", "http://127.0.0.1:9/simple")
-    with pytest.raises(index.IndexError_) as err:
-        index.list_versions("vllm", cache_root=tmp_path)
+    with pytest.raises(index.IndexUnavailable) as err:
+        index.list_versions("vllm", cache_root=tmp_path, index_url="http://127.0.0.1:9/simple")
     assert str(err.value) == ("cannot list vllm versions on http://127.0.0.1:9/simple ([Errno 111] Connection refused); "
-                              "check the network or $UV_DEFAULT_INDEX")
+                              "check the network or --index-url / $UV_DEFAULT_INDEX")

@@ -3,6 +3,7 @@
 import json
 import xml.etree.ElementTree as ET
 
+from kvcompat import options
 from kvcompat.cells import Cell
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report.junit import render_junit
@@ -59,8 +60,8 @@ def test_junit_counts(tmp_path):
 
 def test_write_reports_and_step_summary(tmp_path, monkeypatch):
     summary = tmp_path / "summary.md"
-    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
-    paths = write_reports(build_report([sample(tmp_path)]), tmp_path / "reports")
+    values, _ = options.parse("report", [], {"GITHUB_STEP_SUMMARY": str(summary)})  # as Actions sets it
+    paths = write_reports(build_report([sample(tmp_path)]), tmp_path / "reports", summary_file=values.summary_file)
     assert sorted(p.name for p in paths) == ["compat.html", "compat.json", "compat.md", "compat.xml"]
     data = json.loads((tmp_path / "reports" / "compat.json").read_text())
     assert data["totals"]["pass"] == 2 and data["totals"]["unresolvable"] == 1

@@ -127,15 +127,16 @@ def test_hanging_cell_times_out_and_the_matrix_goes_on(project):
     assert "timeout" in report and "pass 1/1" in report
 
 
-def test_full_disk_refuses_each_cell_before_building(project):
+def test_full_disk_refuses_before_building(project):
+    """A full disk is the user's to fix: one line naming the space needed, exit 2, nothing half-built."""
     proc = nox(project, "-s", "matrix", "--", "--min-free-gb=1000000")
     out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 1 and "Traceback" not in out, out
-    refusals = [line for line in out.splitlines() if "GiB free under" in line]
-    assert len(refusals) == 2, out  # each cell is checked, and refused, on its own
-    assert all("a new cell needs about 1000000 GiB: free space" in line for line in refusals)
+    assert proc.returncode == 2 and "Traceback" not in out, out
+    refusals = [line for line in out.splitlines() if line.startswith("kvcompat: error: ")]
+    assert len(refusals) == 1, out
+    assert "GiB free under" in refusals[0] and "a new cell needs about 1000000 GiB: free space" in refusals[0]
     assert not list((project / "results").glob("*.json"))  # nothing half-done to resume from
-    assert not list((project / ".nox").glob("*/lib/python*/site-packages/vllm*.dist-info"))
+    assert not list((project / ".kvcompat" / "venvs").glob("*/lib/python*/site-packages/vllm*.dist-info"))
 
 
 def test_rerun_answers_finished_cells_from_cache(project):

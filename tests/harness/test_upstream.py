@@ -202,10 +202,9 @@ def test_fetch_downloads_the_sdist_from_the_simple_api(tmp_path, sdist, monkeypa
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["9.9.9"]  # the tarball went with the temp dir
 
 
-def test_index_from_environment(tmp_path, sdist, monkeypatch):
+def test_sdist_comes_from_the_index_given(tmp_path, sdist, monkeypatch):
     monkeypatch.setattr(simple_api, "http_get", FakeIndex(sdist))
-    monkeypatch.setenv(upstream.ENV_INDEX, "https://idx.example/simple")
-    assert upstream.sdist_link("9.9.9")[0] == "https://idx.example/files/vllm-9.9.9.tar.gz"
+    assert upstream.sdist_link("9.9.9", "https://idx.example/simple")[0] == "https://idx.example/files/vllm-9.9.9.tar.gz"
 
 
 def test_hash_mismatch_is_refused(tmp_path, sdist, monkeypatch):

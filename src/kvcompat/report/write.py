@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from kvcompat.atomic import write_atomic
@@ -15,7 +14,8 @@ from kvcompat.report.webpage import render_html
 SUMMARY_LIMIT = 1024 * 1024  # GitHub's job-summary cap
 
 
-def write_reports(rep: Report, out_dir: Path) -> list[Path]:
+def write_reports(rep: Report, out_dir: Path, summary_file: Path | None = None) -> list[Path]:
+    """Write reports/compat.*; with ``summary_file`` (GitHub's $GITHUB_STEP_SUMMARY) append the Markdown there too."""
     md = render_markdown(rep)
     paths = {
         out_dir / "compat.json": render_json(rep),
@@ -25,12 +25,11 @@ def write_reports(rep: Report, out_dir: Path) -> list[Path]:
     }
     for path, text in paths.items():
         write_atomic(path, text)
-    summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary:
+    if summary_file:
         data = md.encode()
         if len(data) > SUMMARY_LIMIT:
             note = b"\n\n(truncated to GitHub's 1 MiB job-summary limit: see reports/compat.md)\n"
             data = data[: SUMMARY_LIMIT - len(note) - 4].decode(errors="ignore").encode() + note
-        with open(summary, "ab") as fh:
+        with open(summary_file, "ab") as fh:
             fh.write(data)
     return list(paths)

@@ -39,7 +39,7 @@ def check_disk(ctx: CellContext) -> None:
     if free < ctx.opts.min_free_gb and not populated:
         raise DiskFullError(
             f"only {free:.1f} GiB free under {ctx.venv.parent}; a new cell needs about {ctx.opts.min_free_gb:.0f} GiB: "
-            f"free space (e.g. `rm -rf .nox/matrix-*` for old cells, or `uv cache prune`) and rerun"
+            f"free space (e.g. `rm -rf .kvcompat/venvs/<old cell>`, or `uv cache prune`) and rerun"
         )
 
 
@@ -60,7 +60,7 @@ def install_steps(ctx: CellContext) -> list[list]:
         # vLLM's CPU wheels are meant to be used with the CPU index's builds, which this
         # machine cannot reach; the connectors need neither, so the cell goes without them.
         steps.append([uv, "pip", "uninstall", "--python", python, "torchvision", "torchaudio", "torchcodec"])
-    for fl in index.find_links():
+    for fl in ctx.opts.find_links:
         for step in steps:
             step += ["--find-links", fl]
     return steps

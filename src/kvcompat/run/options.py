@@ -24,6 +24,8 @@ class RunOptions:
     # last online resolution is younger than this; after that the index is asked again.
     lock_ttl_s: float = 3600.0
     heartbeat_s: float = 30.0  # how often a long phase says it is still running
+    find_links: tuple[str, ...] = ()  # extra wheel folders for uv (see index.resolve)
+    upstream_index: str = "https://pypi.org/simple"  # where the upstream suite fetches vLLM's sdists
 
     @property
     def work_root(self) -> Path:

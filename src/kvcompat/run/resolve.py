@@ -104,6 +104,7 @@ def resolve_lock(ctx: CellContext, *, offline: bool) -> index.Resolution:
         python=ctx.cell.python,
         constraints=constraints_for(ctx.cell.vllm, ctx.opts.repo / "constraints"),
         overrides=ctx.cell.overrides(),
+        find_links=ctx.opts.find_links,
         offline=offline,
     )
 

