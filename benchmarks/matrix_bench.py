@@ -85,27 +85,49 @@ def naive(releases: list[str], work: Path, log: Path) -> dict[str, float]:
     times = {}
     # The user's environment as it is (on this machine PYTHONDONTWRITEBYTECODE=1, but pip
     # compiles every module at install time, so the naive pytest imports from .pyc files).
-    env = {"PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "", "PIP_NO_CACHE_DIR": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(REPO / "src")}
+    env = {
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_FIND_LINKS": "",
+        "PIP_NO_CACHE_DIR": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(REPO / "src"),
+    }
     for v in releases:
         venv = work / f"naive-{v}"
         t_install = run([sys.executable, "-m", "venv", str(venv)], cwd=work, log=log)
         t_install += run([str(venv / "bin/pip"), "install", "-q", f"vllm=={v}", "pytest"], cwd=work, env=env, log=log)
         # the same selection a CPU cell runs (no real-NIXL, no GPU-only tests)
-        t_test = run([str(venv / "bin/python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not real_nixl and not gpu",
-                      str(REPO / "tests/connectors")],
-                     cwd=REPO, env=env, log=log)
+        t_test = run(
+            [
+                str(venv / "bin/python"),
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-m",
+                "not real_nixl and not gpu",
+                str(REPO / "tests/connectors"),
+            ],
+            cwd=REPO,
+            env=env,
+            log=log,
+        )
         times[v] = t_install + t_test
         print(f"  naive {v}: {times[v]:.0f}s (venv + pip install {t_install:.0f}s, pytest {t_test:.0f}s)")
         shutil.rmtree(venv)
     return times
 
 
-def nox_cells(project: Path, releases: list[str], env: dict, log: Path, *extra: str, disk: list | None = None) -> dict[str, float]:
+def nox_cells(
+    project: Path, releases: list[str], env: dict, log: Path, *extra: str, disk: list | None = None
+) -> dict[str, float]:
     times = {}
     for v in releases:  # one at a time, to time each cell and measure disk between them
         tag = "vllm_" + v.replace(".", "_")
-        times[v] = run([sys.executable, "-m", "nox", "-s", "matrix", "-k", tag, "--", *extra], cwd=project, env=env, log=log)
+        times[v] = run(
+            [sys.executable, "-m", "nox", "-s", "matrix", "-k", tag, "--", *extra], cwd=project, env=env, log=log
+        )
         if disk is not None:
             disk.append((v, du(Path(env["UV_CACHE_DIR"]), project / ".kvcompat" / "venvs")))
     return times
@@ -119,7 +141,9 @@ def wheel_sizes(locks: list[Path]) -> dict[tuple[str, str], int]:
     tags = {str(t): i for i, t in enumerate(sys_tags())}
     sizes = {}
     for name, version in sorted(pins):
-        req = urllib.request.Request(f"https://pypi.org/simple/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        req = urllib.request.Request(
+            f"https://pypi.org/simple/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+        )
         files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
         best = None
         for f in files:
@@ -231,11 +255,13 @@ def main() -> int:
     print("A cell's venv hardlinks into uv's cache, so a cell costs the unpacked size of the distributions")
     print("no earlier cell has (its floor), plus what the harness adds (bytecode Python caches on first import).")
     prev = 0
-    for (v, used), (_, floor_new, vllm_size, shares) in zip(disk, unpacked):
+    for (v, used), (_, floor_new, vllm_size, shares) in zip(disk, unpacked, strict=True):
         delta = used - prev
-        print(f"after {v}: {gib(used)}  (+{gib(delta)}; new distributions unpacked {gib(floor_new)}, of which vllm "
-              f"{gib(vllm_size)} (its wheel: {gib(wheels.get(('vllm', v), 0))}); harness overhead {gib(delta - floor_new)})"
-              f"{'  <- shares torch' if shares else ''}")
+        print(
+            f"after {v}: {gib(used)}  (+{gib(delta)}; new distributions unpacked {gib(floor_new)}, of which vllm "
+            f"{gib(vllm_size)} (its wheel: {gib(wheels.get(('vllm', v), 0))}); harness overhead {gib(delta - floor_new)})"
+            f"{'  <- shares torch' if shares else ''}"
+        )
         prev = used
     print(f"\ncell outcomes: {statuses}")
     shutil.rmtree(work / "uv-cache", ignore_errors=True)

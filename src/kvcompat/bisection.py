@@ -24,7 +24,6 @@ from kvcompat.errors import KvcompatError
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.results import CellResult, headline
 
-
 # Outcomes that say nothing about the test: the release could not be put to it.
 INFRASTRUCTURE = (Outcome.UNRESOLVABLE, Outcome.INSTALL_ERROR, Outcome.IMPORT_ERROR, Outcome.TIMEOUT)
 
@@ -67,8 +66,10 @@ def releases_between(available: list[Version], good: str, bad: str, *, pre: bool
         except InvalidVersion:
             raise BisectError(f"{flag} {value!r} is not a version; give a release such as 0.26.0") from None
         if value not in known:
-            raise BisectError(f"{flag} {value} is not a known release; nearest on the index: "
-                              f"{index.nearest_versions(available, Version(value))}")
+            raise BisectError(
+                f"{flag} {value} is not a known release; nearest on the index: "
+                f"{index.nearest_versions(available, Version(value))}"
+            )
     lo, hi = Version(good), Version(bad)
     if lo >= hi:
         raise BisectError(f"--good {good} must be older than --bad {bad}; swap them to find where the test broke")
@@ -84,7 +85,9 @@ def verdict_for(result: CellResult, test: str) -> Step:
     matched = [t for t in result.tests if t.nodeid == test or test in t.nodeid]
     collection_errors = [t for t in result.tests if "::" not in t.nodeid and t.outcome is TestOutcome.ERROR]
     if not matched and collection_errors:
-        return Step(version, Verdict.BAD, f"suite failed to collect: {(collection_errors[0].message or '').strip()[:160]}")
+        return Step(
+            version, Verdict.BAD, f"suite failed to collect: {(collection_errors[0].message or '').strip()[:160]}"
+        )
     if not matched:
         names = ", ".join(sorted({t.nodeid.split("::")[-1] for t in result.tests})[:8])
         raise BisectError(f"--test {test!r} matches no test in {result.id}; use a node id or keyword such as: {names}")
@@ -103,8 +106,13 @@ def cell_budget(n: int) -> int:
     return math.ceil(math.log2(n)) + 2
 
 
-def bisect(versions: list[str], evaluate: Callable[[str], Step], *, say: Callable[[str], None] = print,
-           resume: Callable[[str, str], str] | None = None) -> BisectResult:
+def bisect(
+    versions: list[str],
+    evaluate: Callable[[str], Step],
+    *,
+    say: Callable[[str], None] = print,
+    resume: Callable[[str, str], str] | None = None,
+) -> BisectResult:
     """Binary search for the first bad release; ``versions[0]`` must be good and ``versions[-1]`` bad."""
     if len(versions) < 2:
         raise BisectError("need at least two releases between --good and --bad")
@@ -120,10 +128,14 @@ def bisect(versions: list[str], evaluate: Callable[[str], Step], *, say: Callabl
 
     first = run(0, "--good endpoint")
     if first.verdict is not Verdict.GOOD:
-        raise BisectError(f"--good {versions[0]} is not good ({first.verdict.value}: {first.why}); pick an older release where the test passes")
+        raise BisectError(
+            f"--good {versions[0]} is not good ({first.verdict.value}: {first.why}); pick an older release where the test passes"
+        )
     last = run(n - 1, "--bad endpoint")
     if last.verdict is not Verdict.BAD:
-        raise BisectError(f"--bad {versions[-1]} is not bad ({last.verdict.value}: {last.why}); pick a release where the test fails")
+        raise BisectError(
+            f"--bad {versions[-1]} is not bad ({last.verdict.value}: {last.why}); pick a release where the test fails"
+        )
 
     lo, hi, skipped = 0, n - 1, set()
     while True:
@@ -192,7 +204,9 @@ def compare_url(good: str, bad: str) -> str:
 def render_answer(res: BisectResult, changes: list[FileChange] | None) -> str:
     lines = ["", f"last good: {res.last_good}", f"first bad: {res.first_bad}"]
     if res.untested_between:
-        lines.append(f"  (could not test {', '.join(res.untested_between)} in between: the first bad release may be one of them)")
+        lines.append(
+            f"  (could not test {', '.join(res.untested_between)} in between: the first bad release may be one of them)"
+        )
     lines.append(f"cells evaluated: {res.cells_evaluated}")
     lines.append(f"compare: {compare_url(res.last_good, res.first_bad)}")
     if changes is not None:

@@ -70,8 +70,14 @@ class Cell:
     def tags(self) -> list[str]:
         # nox -t matches tags literally (-t vllm-0.33); nox -k evaluates a Python expression,
         # so each version also gets an identifier form (-k "vllm_0_33_0 and torch_2_14").
-        tags = [self.runner, f"vllm-{minor(self.vllm)}", self.dist, _ident(f"vllm_{self.vllm}"), _ident(f"torch_{self.torch}"),
-                *(f"suite-{s}" for s in self.suites)]
+        tags = [
+            self.runner,
+            f"vllm-{minor(self.vllm)}",
+            self.dist,
+            _ident(f"vllm_{self.vllm}"),
+            _ident(f"torch_{self.torch}"),
+            *(f"suite-{s}" for s in self.suites),
+        ]
         if self.torch_override:
             tags.append("override")
         if self.nixl != NIXL_FAKE:
@@ -134,8 +140,10 @@ def expand_versions(entry: Entry, available: Callable[[str], list[Version]]) -> 
         known = available(entry.dist)
         if entry.vllm not in known:
             # A typo or a release that was never published is bad input, not an unresolvable cell.
-            raise MatrixError(f"{entry.dist} {entry.vllm} is not on the index (or was yanked); fix the matrix entry "
-                              f"(nearest releases there: {index.nearest_versions(known, entry.vllm)})")
+            raise MatrixError(
+                f"{entry.dist} {entry.vllm} is not on the index (or was yanked); fix the matrix entry "
+                f"(nearest releases there: {index.nearest_versions(known, entry.vllm)})"
+            )
         return [(str(entry.vllm), None)]
     spec: SpecifierSet = entry.vllm
     return [(str(v), None) for v in spec.filter(available(entry.dist), prereleases=entry.pre)]
@@ -164,8 +172,15 @@ def resolve_cells(
         for version, wheel in expand_versions(entry, available):
             for torch in entry.torch:
                 for nixl in entry.nixl:
-                    base = Cell(vllm=version, torch="pinned", dist=entry.dist, nixl=nixl, wheel=wheel, runner=entry.runner,
-                                suites=entry.suites)
+                    base = Cell(
+                        vllm=version,
+                        torch="pinned",
+                        dist=entry.dist,
+                        nixl=nixl,
+                        wheel=wheel,
+                        runner=entry.runner,
+                        suites=entry.suites,
+                    )
                     if torch == "pinned":
                         cell = dataclasses.replace(base, torch=pinned_torch(base) or "pinned")
                     else:
@@ -180,8 +195,13 @@ def resolve_cells(
 def load_cells(root: Path, matrix: str, *, index_url: str, find_links: tuple[str, ...] = ()) -> list[Cell]:
     """The cells of matrix ``matrix`` (see :func:`kvcompat.matrix.matrix_source`) of the project at ``root``."""
     source, name = matrix_source(root, matrix)
-    return resolve_cells(load_matrix(source, name), constraints_dir=root / "constraints", cache_root=root,
-                         index_url=index_url, find_links=find_links)
+    return resolve_cells(
+        load_matrix(source, name),
+        constraints_dir=root / "constraints",
+        cache_root=root,
+        index_url=index_url,
+        find_links=find_links,
+    )
 
 
 def _sort_key(version: str) -> Version:

@@ -20,6 +20,7 @@ import yaml
 
 from kvcompat.errors import KvcompatError
 
+
 class PipelineError(KvcompatError):
     """An unknown CI engine."""
 
@@ -62,10 +63,13 @@ def github_workflow() -> dict:
             "list": {
                 "runs-on": CPU_RUNNER,
                 "outputs": {"cells": "${{ steps.list.outputs.cells }}"},
-                "steps": _gh_setup() + [{
-                    "id": "list",
-                    "run": 'echo "cells=$(nox -l --json | PYTHONPATH=src python -m kvcompat.ci github-matrix)" >> "$GITHUB_OUTPUT"',
-                }],
+                "steps": _gh_setup()
+                + [
+                    {
+                        "id": "list",
+                        "run": 'echo "cells=$(nox -l --json | PYTHONPATH=src python -m kvcompat.ci github-matrix)" >> "$GITHUB_OUTPUT"',
+                    }
+                ],
             },
             "cell": {
                 "needs": "list",
@@ -73,20 +77,36 @@ def github_workflow() -> dict:
                 "runs-on": "${{ matrix.runs_on }}",
                 "timeout-minutes": 90,
                 "strategy": {"fail-fast": False, "matrix": {"include": "${{ fromJSON(needs.list.outputs.cells) }}"}},
-                "steps": _gh_setup() + [
+                "steps": _gh_setup()
+                + [
                     {"run": 'nox -s "$SESSION"', "env": {"SESSION": "${{ matrix.session }}"}},
-                    {"if": "always()", "uses": "actions/upload-artifact@v4",
-                     "with": {"name": "results-${{ matrix.artifact }}", "path": "results/*.json", "if-no-files-found": "error"}},
+                    {
+                        "if": "always()",
+                        "uses": "actions/upload-artifact@v4",
+                        "with": {
+                            "name": "results-${{ matrix.artifact }}",
+                            "path": "results/*.json",
+                            "if-no-files-found": "error",
+                        },
+                    },
                 ],
             },
             "report": {
                 "needs": "cell",
                 "if": "always()",
                 "runs-on": CPU_RUNNER,
-                "steps": _gh_setup() + [
-                    {"uses": "actions/download-artifact@v4", "with": {"pattern": "results-*", "path": "collected", "merge-multiple": True}},
+                "steps": _gh_setup()
+                + [
+                    {
+                        "uses": "actions/download-artifact@v4",
+                        "with": {"pattern": "results-*", "path": "collected", "merge-multiple": True},
+                    },
                     {"run": "nox -s report -- collected"},  # also writes $GITHUB_STEP_SUMMARY
-                    {"if": "always()", "uses": "actions/upload-artifact@v4", "with": {"name": "compat-report", "path": "reports/"}},
+                    {
+                        "if": "always()",
+                        "uses": "actions/upload-artifact@v4",
+                        "with": {"name": "compat-report", "path": "reports/"},
+                    },
                 ],
             },
         },
@@ -96,12 +116,14 @@ def github_workflow() -> dict:
 def buildkite_pipeline() -> dict:
     """The static pipeline: one step that lists the cells and uploads their steps."""
     return {
-        "steps": [{
-            "label": ":nox: list kvcompat cells",
-            "key": "list",
-            "agents": {"queue": "cpu"},
-            "command": f"{SETUP} && nox -l --json | PYTHONPATH=src python -m kvcompat.ci buildkite-steps | buildkite-agent pipeline upload",
-        }]
+        "steps": [
+            {
+                "label": ":nox: list kvcompat cells",
+                "key": "list",
+                "agents": {"queue": "cpu"},
+                "command": f"{SETUP} && nox -l --json | PYTHONPATH=src python -m kvcompat.ci buildkite-steps | buildkite-agent pipeline upload",
+            }
+        ]
     }
 
 
@@ -109,23 +131,27 @@ def buildkite_steps(cells: list[dict]) -> dict:
     """The uploaded part: one step per cell on a cpu or gpu queue, then the report."""
     steps: list[dict] = []
     for c in cells:
-        steps.append({
-            "label": c["session"],
-            "key": "cell-" + re.sub(r"[^A-Za-z0-9_-]", "-", c["artifact"]),
-            "agents": {"queue": c["runner"]},
-            "env": {"KVCOMPAT_SESSION": c["session"]},
-            "command": f'{SETUP} && nox -s "$$KVCOMPAT_SESSION"',  # $$: Buildkite leaves it for the shell
-            "artifact_paths": ["results/*.json"],
-            "timeout_in_minutes": 90,
-        })
+        steps.append(
+            {
+                "label": c["session"],
+                "key": "cell-" + re.sub(r"[^A-Za-z0-9_-]", "-", c["artifact"]),
+                "agents": {"queue": c["runner"]},
+                "env": {"KVCOMPAT_SESSION": c["session"]},
+                "command": f'{SETUP} && nox -s "$$KVCOMPAT_SESSION"',  # $$: Buildkite leaves it for the shell
+                "artifact_paths": ["results/*.json"],
+                "timeout_in_minutes": 90,
+            }
+        )
     steps.append({"wait": None, "continue_on_failure": True})
-    steps.append({
-        "label": ":bar_chart: kvcompat report",
-        "key": "report",
-        "agents": {"queue": "cpu"},
-        "command": f"buildkite-agent artifact download 'results/*.json' collected/ && {SETUP} && nox -s report -- collected",
-        "artifact_paths": ["reports/*"],
-    })
+    steps.append(
+        {
+            "label": ":bar_chart: kvcompat report",
+            "key": "report",
+            "agents": {"queue": "cpu"},
+            "command": f"buildkite-agent artifact download 'results/*.json' collected/ && {SETUP} && nox -s report -- collected",
+            "artifact_paths": ["reports/*"],
+        }
+    )
     return {"steps": steps}
 
 
@@ -137,10 +163,14 @@ def write(engine: str, root: Path) -> Path:
     """``nox -s ci -- github|buildkite``: write the pipeline file and return its path."""
     if engine == "github":
         path = root / ".github" / "workflows" / "kvcompat.yml"
-        text = "# Generated by `nox -s ci -- github`; cells come from `nox -l --json` at run time.\n" + dump(github_workflow())
+        text = "# Generated by `nox -s ci -- github`; cells come from `nox -l --json` at run time.\n" + dump(
+            github_workflow()
+        )
     elif engine == "buildkite":
         path = root / ".buildkite" / "pipeline.yml"
-        text = "# Generated by `nox -s ci -- buildkite`; cell steps are uploaded from `nox -l --json`.\n" + dump(buildkite_pipeline())
+        text = "# Generated by `nox -s ci -- buildkite`; cell steps are uploaded from `nox -l --json`.\n" + dump(
+            buildkite_pipeline()
+        )
     else:
         raise PipelineError(f"unknown CI engine {engine!r}; use `nox -s ci -- github` or `nox -s ci -- buildkite`")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,8 +186,12 @@ def main(argv: list[str]) -> int:
     else:
         from kvcompat.errors import report
 
-        return report(PipelineError(f"unknown command {' '.join(argv)!r}; "
-                                    "use `python -m kvcompat.ci github-matrix|buildkite-steps < nox-list.json`"))
+        return report(
+            PipelineError(
+                f"unknown command {' '.join(argv)!r}; "
+                "use `python -m kvcompat.ci github-matrix|buildkite-steps < nox-list.json`"
+            )
+        )
     return 0
 
 

@@ -26,25 +26,44 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvcompat", description="Compatibility of vLLM's MultiConnector(Nixl + CPU offload), "
-                     "per vLLM and torch release.", allow_abbrev=False)
-    parser.add_argument("--root", type=Path, default=Path.cwd(),
-                        help="the kvcompat project (pyproject.toml, results/); default: the current folder")
+    parser = _Parser(
+        prog="kvcompat",
+        description="Compatibility of vLLM's MultiConnector(Nixl + CPU offload), per vLLM and torch release.",
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=Path.cwd(),
+        help="the kvcompat project (pyproject.toml, results/); default: the current folder",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    p = sub.add_parser("report", help="merge result folders into reports/compat.* and print the grid",
-                       description="Merge result folders (default: results/) into reports/compat.{md,html,json,xml}.")
+    p = sub.add_parser(
+        "report",
+        help="merge result folders into reports/compat.* and print the grid",
+        description="Merge result folders (default: results/) into reports/compat.{md,html,json,xml}.",
+    )
     p.add_argument("dirs", nargs="*", type=Path, metavar="DIR", help="result folders, from any number of machines")
     options.add_options(p, "report")
-    p = sub.add_parser("show", help="one cell's verdict, tests and log tail",
-                       description="Show one cell's result: its verdict, every test, installed versions, log tail.")
+    p = sub.add_parser(
+        "show",
+        help="one cell's verdict, tests and log tail",
+        description="Show one cell's result: its verdict, every test, installed versions, log tail.",
+    )
     p.add_argument("cell", metavar="CELL", help="a cell id (results/<CELL>.json) or a unique part of one")
-    p = sub.add_parser("list", help="the cells of a matrix, with their last verdicts",
-                       description="List the cells of a matrix, the nox session that runs each, and its last verdict.")
+    p = sub.add_parser(
+        "list",
+        help="the cells of a matrix, with their last verdicts",
+        description="List the cells of a matrix, the nox session that runs each, and its last verdict.",
+    )
     options.add_options(p, "list")
-    p = sub.add_parser("bisect", help="find the first release where a test breaks",
-                       description="Binary-search the releases between --good and --bad for the first where --test "
-                       "fails; each step is a matrix cell (same venv, same result cache).")
+    p = sub.add_parser(
+        "bisect",
+        help="find the first release where a test breaks",
+        description="Binary-search the releases between --good and --bad for the first where --test "
+        "fails; each step is a matrix cell (same venv, same result cache).",
+    )
     options.add_options(p, "bisect")
     return parser
 
@@ -53,7 +72,9 @@ def run(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     root = ns.root.resolve()
     if not (root / "pyproject.toml").is_file():
-        raise KvcompatError(f"{root} is not a kvcompat project (no pyproject.toml); run from the project or pass --root")
+        raise KvcompatError(
+            f"{root} is not a kvcompat project (no pyproject.toml); run from the project or pass --root"
+        )
     if ns.command in ("report", "list", "bisect"):
         options.finish(ns, ns.command, os.environ)
     if ns.command == "report":

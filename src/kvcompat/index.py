@@ -68,11 +68,17 @@ def list_versions(dist: str, *, cache_root: Path, index_url: str, wheelhouse: Pa
     try:
         files = simple_api.project_files(base, canonicalize_name(dist))
     except (OSError, ValueError) as exc:
-        raise IndexUnavailable(f"cannot list {dist} versions on {base} ({exc}); check the network or --index-url / $UV_DEFAULT_INDEX") from None
+        raise IndexUnavailable(
+            f"cannot list {dist} versions on {base} ({exc}); check the network or --index-url / $UV_DEFAULT_INDEX"
+        ) from None
     # Yanked releases are left out, as pip and uv leave them out of ranges.
-    versions = sorted({v for v in (_file_version(f["filename"], dist) for f in files if not f["yanked"]) if v is not None})
+    versions = sorted(
+        {v for v in (_file_version(f["filename"], dist) for f in files if not f["yanked"]) if v is not None}
+    )
     if not versions:
-        raise IndexUnavailable(f"{base} lists no releases of {dist}; check the project name or --index-url / $UV_DEFAULT_INDEX")
+        raise IndexUnavailable(
+            f"{base} lists no releases of {dist}; check the project name or --index-url / $UV_DEFAULT_INDEX"
+        )
     write_atomic(cache, json.dumps([str(v) for v in versions]))
     return versions
 
@@ -91,6 +97,7 @@ def _file_version(filename: str, dist: str) -> Version | None:
 
 def nearest_versions(available: list[Version], version: Version, n: int = 4) -> str:
     """The ``n`` versions on the index closest to ``version``, for "did you mean" errors."""
+
     def num(v: Version) -> float:
         return sum(x / 1000**i for i, x in enumerate(v.release))
 
@@ -141,7 +148,9 @@ def resolve(
     not on PyPI).  ``offline`` resolves from uv's cache only (~0.3 s instead of ~3 s): used to
     confirm an unchanged cell, never to build one.
     """
-    key_src = json.dumps([requirements, python, [p.read_text() for p in constraints], list(overrides), list(find_links)])
+    key_src = json.dumps(
+        [requirements, python, [p.read_text() for p in constraints], list(overrides), list(find_links)]
+    )
     cache = None
     if cache_root is not None:
         cache = _cache_dir(cache_root, "resolve") / (hashlib.sha256(key_src.encode()).hexdigest()[:24] + ".txt")
@@ -207,8 +216,13 @@ def download_wheel(dist: str, version: str, dest: Path, index_url: str) -> Path:
         files = simple_api.project_files(index_url, canonicalize_name(dist))
     except (OSError, ValueError) as exc:
         raise RuntimeError(f"cannot list {dist} files on {index_url} ({exc})") from None
-    wheels = [f for f in files if f["filename"].endswith(".whl") and _file_version(f["filename"], dist) == Version(version)
-              and set(parse(f["filename"])[3]) & supported]
+    wheels = [
+        f
+        for f in files
+        if f["filename"].endswith(".whl")
+        and _file_version(f["filename"], dist) == Version(version)
+        and set(parse(f["filename"])[3]) & supported
+    ]
     if not wheels:
         raise RuntimeError(f"{index_url} has no {dist} {version} wheel for this platform")
     f = wheels[0]

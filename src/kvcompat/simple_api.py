@@ -15,6 +15,7 @@ import re
 import time
 import urllib.request
 
+
 def http_get(url: str, *, accept: str | None = None, timeout: float = 120.0, attempts: int = 2) -> bytes:
     """GET ``url``, retried once after 2 s (index hiccups are common)."""
     headers = {"User-Agent": "kvcompat"}
@@ -37,13 +38,17 @@ def project_files(base: str, project: str) -> list[dict]:
     page_url = f"{base.rstrip('/')}/{project}/"
     page = http_get(page_url, accept="application/vnd.pypi.simple.v1+json, text/html;q=0.1")
     try:
-        raw = [(f["filename"], f["url"], (f.get("hashes") or {}).get("sha256"), bool(f.get("yanked")))
-               for f in json.loads(page)["files"]]
+        raw = [
+            (f["filename"], f["url"], (f.get("hashes") or {}).get("sha256"), bool(f.get("yanked")))
+            for f in json.loads(page)["files"]
+        ]
     except (ValueError, KeyError, TypeError):  # PEP 503 HTML: <a href="url#sha256=…" data-yanked>filename</a>
         raw = []
         for m in re.finditer(r'<a([^>]*)href=(["\'])([^"\']+)\2([^>]*)>', page.decode(errors="replace")):
             href, _, fragment = m.group(3).partition("#")
             sha = fragment.removeprefix("sha256=") if fragment.startswith("sha256=") else None
             raw.append((href.rsplit("/", 1)[-1], href, sha, "data-yanked" in m.group(1) + m.group(4)))
-    return [{"filename": name, "url": urllib.request.urljoin(page_url, url).split("#")[0], "sha256": sha, "yanked": yanked}
-            for name, url, sha, yanked in raw]
+    return [
+        {"filename": name, "url": urllib.request.urljoin(page_url, url).split("#")[0], "sha256": sha, "yanked": yanked}
+        for name, url, sha, yanked in raw
+    ]

@@ -82,7 +82,9 @@ class UpstreamSuite:
     targets: list[str]  # target test files found in this release, relative to rootdir
     model_ids: list[str]  # hub ids the extracted tests mention
     missing_models: list[str]  # mentioned ids with no config written (tests using them will fail offline)
-    deselected: list[str] = dataclasses.field(default_factory=list)  # --deselect ids, see prepare(exclude_engine_tests=)
+    deselected: list[str] = dataclasses.field(
+        default_factory=list
+    )  # --deselect ids, see prepare(exclude_engine_tests=)
 
 
 # --------------------------------------------------------------------------------------
@@ -158,14 +160,18 @@ def _imported_modules(path: str, source: bytes) -> tuple[set[str], bool]:
                 base = node.module or ""
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
-        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytest_plugins" for t in node.targets):
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "pytest_plugins" for t in node.targets
+        ):
             value = node.value
             elts = value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value]
             found.update(e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str))
     return found, True
 
 
-def select_files(names: Iterable[str], sources: dict[str, bytes], targets: Iterable[str] = TARGETS) -> tuple[list[str], list[str], list[str]]:
+def select_files(
+    names: Iterable[str], sources: dict[str, bytes], targets: Iterable[str] = TARGETS
+) -> tuple[list[str], list[str], list[str]]:
     """(target test files present, every file to extract, files that failed to parse).
 
     Targets are files or folders; the closure adds the ``__init__.py`` and
@@ -194,7 +200,9 @@ def select_files(names: Iterable[str], sources: dict[str, bytes], targets: Itera
         parts = path.split("/")
         for depth in range(1, len(parts)):
             folder = "/".join(parts[:depth])
-            queue += [p for p in (f"{folder}/__init__.py", f"{folder}/conftest.py") if p in sources and p not in selected]
+            queue += [
+                p for p in (f"{folder}/__init__.py", f"{folder}/conftest.py") if p in sources and p not in selected
+            ]
         modules, ok = _imported_modules(path, sources[path])
         if not ok:
             unparsable.append(path)
@@ -226,7 +234,27 @@ def _pytest_ini(pyproject: bytes | None) -> str:
 # model ids
 
 _HUB_ID = re.compile(r"""["']((?:[A-Za-z0-9][A-Za-z0-9_.-]*)/(?:[A-Za-z0-9][A-Za-z0-9_.-]*))["']""")
-_NOT_HUB_ORGS = {"tests", "vllm", "v1", "tmp", "test", "dev", "usr", "proc", "sys", "home", "data", "models", "path", "some", "fake", "dummy", "mock", "foo", "remote"}
+_NOT_HUB_ORGS = {
+    "tests",
+    "vllm",
+    "v1",
+    "tmp",
+    "test",
+    "dev",
+    "usr",
+    "proc",
+    "sys",
+    "home",
+    "data",
+    "models",
+    "path",
+    "some",
+    "fake",
+    "dummy",
+    "mock",
+    "foo",
+    "remote",
+}
 
 
 def model_ids_in(sources: Iterable[bytes]) -> list[str]:
@@ -316,47 +344,126 @@ def manifest(root: Path) -> dict:
 # the public config.json of each model (layers, heads, sizes matter: tests size
 # KV caches from them); no weights are ever written.
 _LLAMA_3_2_1B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
-    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-    "max_position_embeddings": 131072, "vocab_size": 128256, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 131072,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
 }
 _OPT = {
-    "architectures": ["OPTForCausalLM"], "model_type": "opt", "activation_function": "relu", "do_layer_norm_before": True,
-    "dropout": 0.1, "attention_dropout": 0.0, "enable_bias": True, "layer_norm_elementwise_affine": True,
-    "max_position_embeddings": 2048, "vocab_size": 50272, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2,
-    "torch_dtype": "float16", "prefix": "</s>", "init_std": 0.02, "layerdrop": 0.0, "use_cache": True,
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "activation_function": "relu",
+    "do_layer_norm_before": True,
+    "dropout": 0.1,
+    "attention_dropout": 0.0,
+    "enable_bias": True,
+    "layer_norm_elementwise_affine": True,
+    "max_position_embeddings": 2048,
+    "vocab_size": 50272,
+    "pad_token_id": 1,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "torch_dtype": "float16",
+    "prefix": "</s>",
+    "init_std": 0.02,
+    "layerdrop": 0.0,
+    "use_cache": True,
 }
 MODEL_CONFIGS: dict[str, dict] = {
-    "facebook/opt-125m": {**_OPT, "hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12,
-                          "num_attention_heads": 12, "word_embed_proj_dim": 768},
-    "facebook/opt-350m": {**_OPT, "hidden_size": 1024, "ffn_dim": 4096, "num_hidden_layers": 24,
-                          "num_attention_heads": 16, "word_embed_proj_dim": 512, "do_layer_norm_before": False},
+    "facebook/opt-125m": {
+        **_OPT,
+        "hidden_size": 768,
+        "ffn_dim": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "word_embed_proj_dim": 768,
+    },
+    "facebook/opt-350m": {
+        **_OPT,
+        "hidden_size": 1024,
+        "ffn_dim": 4096,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "word_embed_proj_dim": 512,
+        "do_layer_norm_before": False,
+    },
     "Qwen/Qwen3-0.6B": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
-        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-        "max_position_embeddings": 40960, "max_window_layers": 28, "vocab_size": 151936, "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000, "rope_scaling": None, "hidden_act": "silu", "attention_bias": False,
-        "attention_dropout": 0.0, "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645, "use_cache": True,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 28,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000,
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "use_cache": True,
     },
     "meta-llama/Llama-3.2-1B-Instruct": _LLAMA_3_2_1B,
     "meta-llama/Llama-3.2-1B": {**_LLAMA_3_2_1B, "eos_token_id": 128001},
     "meta-llama/Llama-3.1-8B": {
-        **_LLAMA_3_2_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
-        "rope_scaling": {**_LLAMA_3_2_1B["rope_scaling"], "factor": 8.0}, "tie_word_embeddings": False,
+        **_LLAMA_3_2_1B,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "head_dim": 128,
+        "rope_scaling": {**_LLAMA_3_2_1B["rope_scaling"], "factor": 8.0},
+        "tie_word_embeddings": False,
         "eos_token_id": 128001,
     },
     "meta-llama/Llama-3.1-8B-Instruct": {
-        **_LLAMA_3_2_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
-        "rope_scaling": {**_LLAMA_3_2_1B["rope_scaling"], "factor": 8.0}, "tie_word_embeddings": False,
+        **_LLAMA_3_2_1B,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "head_dim": 128,
+        "rope_scaling": {**_LLAMA_3_2_1B["rope_scaling"], "factor": 8.0},
+        "tie_word_embeddings": False,
     },
     "meta-llama/Meta-Llama-3-8B-Instruct": {
-        **_LLAMA_3_2_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
-        "max_position_embeddings": 8192, "rope_scaling": None, "tie_word_embeddings": False, "eos_token_id": 128009,
+        **_LLAMA_3_2_1B,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 8192,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "eos_token_id": 128009,
     },
 }
 # A fixed, fake commit hash: refs/main points at it, the snapshot folder is named after it.
@@ -368,7 +475,9 @@ def _repo_folder(model_id: str) -> str:
 
 
 def _generation_config(config: dict) -> dict:
-    return {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config} | {"_from_model_config": True}
+    return {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config} | {
+        "_from_model_config": True
+    }
 
 
 def hf_offline_cache(dest: Path, model_ids: list[str]) -> dict[str, str]:
@@ -446,7 +555,11 @@ def engine_tests(path: str, source: bytes, constructors: tuple[str, ...] = ("LLM
         changed, builds = grown != builds, grown
     tests: list[tuple[str, ast.AST]] = [(n, f) for n, f in funcs.items() if n.startswith("test")]
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.startswith("Test")):
-        tests += [(f"{cls.name}::{f.name}", f) for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name.startswith("test")]
+        tests += [
+            (f"{cls.name}::{f.name}", f)
+            for f in cls.body
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name.startswith("test")
+        ]
     names = [n for n, _ in tests]
     out = []
     for name, fn in tests:
@@ -464,8 +577,14 @@ def engine_tests(path: str, source: bytes, constructors: tuple[str, ...] = ("LLM
 # prepare
 
 
-def prepare(version: str, cache_dir: Path, *, index_url: str = PYPI, platform: str = "native",
-            exclude_engine_tests: bool = False) -> UpstreamSuite:
+def prepare(
+    version: str,
+    cache_dir: Path,
+    *,
+    index_url: str = PYPI,
+    platform: str = "native",
+    exclude_engine_tests: bool = False,
+) -> UpstreamSuite:
     """Fetch (cached) the upstream connector tests of ``version`` and say how to run them.
 
     ``platform``: ``"native"`` leaves vLLM's own platform detection alone (the
@@ -487,11 +606,13 @@ def prepare(version: str, cache_dir: Path, *, index_url: str = PYPI, platform: s
     mentioned = list(info.get("model_ids", []))
     known = [m for m in mentioned if m in MODEL_CONFIGS]
     env = hf_offline_cache(cache_dir / "hf", known)
-    env.update({
-        "PYTHONDONTWRITEBYTECODE": "1",  # keep the shared extracted tree pristine
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-    })
+    env.update(
+        {
+            "PYTHONDONTWRITEBYTECODE": "1",  # keep the shared extracted tree pristine
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
     pytest_args = ["-p", "no:cacheprovider", f"--rootdir={root}"]
     if platform == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
@@ -513,7 +634,13 @@ def prepare(version: str, cache_dir: Path, *, index_url: str = PYPI, platform: s
             deselected += engine_tests(rel, (root / rel).read_bytes())
         pytest_args += [f"--deselect={d}" for d in deselected]
     return UpstreamSuite(
-        version=version, path=root / UNIT, rootdir=root, env=env, pytest_args=pytest_args,
-        targets=targets, model_ids=mentioned, missing_models=[m for m in mentioned if m not in MODEL_CONFIGS],
+        version=version,
+        path=root / UNIT,
+        rootdir=root,
+        env=env,
+        pytest_args=pytest_args,
+        targets=targets,
+        model_ids=mentioned,
+        missing_models=[m for m in mentioned if m not in MODEL_CONFIGS],
         deselected=deselected,
     )

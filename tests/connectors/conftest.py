@@ -19,9 +19,8 @@ from typing import Any
 
 import pytest
 
-from kvcompat.testkit import probes
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import not_applicable
+from kvcompat.testkit import not_applicable, probes
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -124,9 +123,7 @@ class Engine:
         self.metas.append(so.kv_connector_metadata)
         kvo = self.emulator.step(so) if report_offload else None
         if nixl_worker is not None:
-            res = va.run_worker_step(
-                nixl_worker, so.kv_connector_metadata.metadata[0], set(so.finished_req_ids)
-            )
+            res = va.run_worker_step(nixl_worker, so.kv_connector_metadata.metadata[0], set(so.finished_req_ids))
             self.worker_results.append(res)
             kvo = va.merge_child_worker_output(kvo, res, n_children=2, child_index=0)
         result = self.scheduler.update_from_output(so, va.make_model_runner_output(so, kvo))

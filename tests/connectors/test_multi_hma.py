@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from conftest import BLOCK, token_ids
+
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable
-
-from conftest import BLOCK, token_ids
 
 
 def _require_multi_hma() -> None:
@@ -65,17 +65,13 @@ def test_hma_reporting_full_attention(make_engine, tmp_path):
     if hasattr(MultiConnector, "all_children_support_hma"):
         assert MultiConnector.all_children_support_hma(engine.vllm_config.kv_transfer_config) == all(children)
 
-    ExampleConnector = __import__(
-        va.V1 + ".example_connector", fromlist=["ExampleConnector"]
-    ).ExampleConnector
+    ExampleConnector = __import__(va.V1 + ".example_connector", fromlist=["ExampleConnector"]).ExampleConnector
     ktc = _nixl_plus_non_hma_child_config(tmp_path)
     mixed = make_engine(kv_transfer_config=ktc)
     mixed_children = _children_hma(mixed.multi)
     assert mixed_children == [va.supports_hma(mixed.multi._connectors[0]), va.supports_hma(ExampleConnector)]
     if not all(mixed_children):
-        assert not va.hma_enabled(mixed.vllm_config), (
-            "HMA left on for a MultiConnector with a non-HMA child"
-        )
+        assert not va.hma_enabled(mixed.vllm_config), "HMA left on for a MultiConnector with a non-HMA child"
         if hasattr(MultiConnector, "all_children_support_hma"):
             assert MultiConnector.all_children_support_hma(ktc) is False
 

@@ -8,12 +8,11 @@ worker->scheduler protocol by ``OffloadWorkerEmulator`` (see vllm_adapter).
 
 from __future__ import annotations
 
+from conftest import BLOCK, token_ids
 from packaging.version import Version
 
-from kvcompat.testkit import probes
 from kvcompat.testkit import adapter as va
-
-from conftest import BLOCK, token_ids
+from kvcompat.testkit import probes
 
 
 def _release_at_least(v: str) -> bool:

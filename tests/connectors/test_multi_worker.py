@@ -18,11 +18,10 @@ import os
 from typing import Any
 
 import pytest
+from conftest import BLOCK, build_worker, token_ids
 
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
-
-from conftest import BLOCK, build_worker, token_ids
 
 
 @pytest.fixture
@@ -52,9 +51,7 @@ def worker_nixl_child(make_engine, fake_nixl, single_rank_distributed):
     """Only the Nixl child, built the way MultiConnector builds its child 0."""
     engine = make_engine(num_blocks=16)
     affinity = os.sched_getaffinity(0)
-    nixl = build_worker(
-        engine, lambda cfg, role, kvc: va.multi_child_connector(cfg, role, kvc, 0)
-    )
+    nixl = build_worker(engine, lambda cfg, role, kvc: va.multi_child_connector(cfg, role, kvc, 0))
     yield engine, nixl
     nixl.shutdown()
     os.sched_setaffinity(0, affinity)
@@ -93,7 +90,7 @@ def _prefill_side_metadata(engine, req_id: str):
     assert any(req_id in (getattr(m.metadata[0], "reqs_to_send", {}) or {}) for m in engine.metas)
     assert not any(va.offload_store_work(m.metadata[1]) for m in engine.metas)
     assert not any(va.offload_load_work(m.metadata[1]) for m in engine.metas)
-    return list(zip(engine.metas, engine.sched_outputs))
+    return list(zip(engine.metas, engine.sched_outputs, strict=True))
 
 
 def test_worker_nixl_child_registers_cpu_kv_caches_and_send_completes(worker_nixl_child, fake_nixl):

@@ -35,11 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from conftest import BLOCK, build_worker, token_ids
 
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable
-
-from conftest import BLOCK, build_worker, token_ids
 
 pytestmark = pytest.mark.real_nixl
 
@@ -217,7 +216,7 @@ def test_real_nixl_read_driven_by_multiconnector_metadata(pd_pair):
 
     # --- bytes: D's pulled blocks equal P's, every other D block is still zero.
     for name in p.caches:
-        for lb, rb in zip(d_blocks, p_blocks):
+        for lb, rb in zip(d_blocks, p_blocks, strict=True):
             got = va.kv_cache_block(d.caches[name], lb)
             want = va.kv_cache_block(p.caches[name], rb)
             assert torch.equal(got, want), f"{name}: D block {lb} != P block {rb}"
@@ -296,7 +295,7 @@ def test_real_nixl_read_through_worker_multiconnector(make_engine, single_rank_d
         assert rid in _union(p.engine.worker_results, "finished_sending")
         assert not _union(d.engine.worker_results, "failed_recving")
         for name in p.caches:
-            for lb, rb in zip(d_blocks, p_blocks):
+            for lb, rb in zip(d_blocks, p_blocks, strict=True):
                 assert torch.equal(va.kv_cache_block(d.caches[name], lb), va.kv_cache_block(p.caches[name], rb))
     finally:
         for s in reversed(sides):

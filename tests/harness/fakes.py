@@ -8,11 +8,19 @@ import zipfile
 from pathlib import Path
 
 
-def build_wheel(folder: Path, files: dict[str, str], *, name: str = "vllm", version: str = "0.0.1", requires: list[str] = ()) -> Path:
+def build_wheel(
+    folder: Path, files: dict[str, str], *, name: str = "vllm", version: str = "0.0.1", requires: list[str] = ()
+) -> Path:
     """Write a minimal valid wheel of ``name`` containing ``files`` (path -> source)."""
     dist_info = f"{name.replace('-', '_')}-{version}.dist-info"
-    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
-    entries = {**files, f"{dist_info}/METADATA": meta, f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: kvcompat-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires
+    )
+    entries = {
+        **files,
+        f"{dist_info}/METADATA": meta,
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: kvcompat-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     record_lines = []
     for path, text in entries.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()

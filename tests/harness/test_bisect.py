@@ -7,8 +7,8 @@ from packaging.version import Version
 
 from kvcompat import bisection as bis
 from kvcompat import options
-from kvcompat.options import OptionError
 from kvcompat.cells import Cell
+from kvcompat.options import OptionError
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.results import CellResult, TestResult
 
@@ -69,12 +69,19 @@ def test_releases_between():
 
 
 def cell_result(outcome, tests):
-    return CellResult(cell=Cell(vllm="0.30.0", torch="2.13.0").to_json(), outcome=outcome, detail="d",
-                      tests=[TestResult(n, TestOutcome(o), 0.1, m) for n, o, m in tests])
+    return CellResult(
+        cell=Cell(vllm="0.30.0", torch="2.13.0").to_json(),
+        outcome=outcome,
+        detail="d",
+        tests=[TestResult(n, TestOutcome(o), 0.1, m) for n, o, m in tests],
+    )
 
 
 def test_verdicts():
-    tests = [("tests/connectors/test_a.py::test_load", "passed", None), ("tests/connectors/test_a.py::test_store", "failed", "E  assert 0 > 0")]
+    tests = [
+        ("tests/connectors/test_a.py::test_load", "passed", None),
+        ("tests/connectors/test_a.py::test_store", "failed", "E  assert 0 > 0"),
+    ]
     assert bis.verdict_for(cell_result(Outcome.TEST_FAIL, tests), "test_load").verdict is bis.Verdict.GOOD
     bad = bis.verdict_for(cell_result(Outcome.TEST_FAIL, tests), "tests/connectors/test_a.py::test_store")
     assert bad.verdict is bis.Verdict.BAD and "assert 0 > 0" in bad.why
@@ -90,7 +97,9 @@ def test_bisect_options_and_resume_command():
     with pytest.raises(OptionError, match="required: --test"):
         options.parse("bisect", ["--good", "0.1.0", "--bad", "0.2.0"], {})
     with pytest.raises(OptionError, match="is not a folder"):
-        options.parse("bisect", ["--test", "t", "--good", "0.1.0", "--bad", "0.2.0", "--wheelhouse", "/no/such/dir"], {})
+        options.parse(
+            "bisect", ["--test", "t", "--good", "0.1.0", "--bad", "0.2.0", "--wheelhouse", "/no/such/dir"], {}
+        )
     values, _ = options.parse("bisect", ["--test", "t", "--good", "0.1.0", "--bad", "0.2.0", "--torch", "2.13.0"], {})
     resume = options.command_line("bisect", {**vars(values), "good": "0.1.5"})
     assert resume == "nox -s bisect -- --test t --good 0.1.5 --bad 0.2.0 --torch 2.13.0"

@@ -51,7 +51,11 @@ def test_release_not_on_the_index_is_a_matrix_error(tmp_path):
     with pytest.raises(MatrixError) as err:
         cells_for([Entry(vllm=Version("0.33.9"))], tmp_path)
     msg = str(err.value)
-    assert "vllm 0.33.9 is not on the index (or was yanked); fix the matrix entry" in msg and "0.33.0" in msg and "\n" not in msg
+    assert (
+        "vllm 0.33.9 is not on the index (or was yanked); fix the matrix entry" in msg
+        and "0.33.0" in msg
+        and "\n" not in msg
+    )
 
 
 def test_duplicates_collapse(tmp_path):
@@ -72,8 +76,13 @@ def test_ids():
 
 def test_local_wheel_cell(tmp_path):
     wheel = tmp_path / "vllm-0.34.1.dev3+gabc-cp38-abi3-manylinux_2_28_x86_64.whl"
-    (cell,) = resolve_cells([Entry(vllm=wheel)], constraints_dir=tmp_path, cache_root=tmp_path,
-                            available=lambda d: [], pinned_torch=lambda c: "2.14.0")
+    (cell,) = resolve_cells(
+        [Entry(vllm=wheel)],
+        constraints_dir=tmp_path,
+        cache_root=tmp_path,
+        available=lambda d: [],
+        pinned_torch=lambda c: "2.14.0",
+    )
     assert cell.vllm == "0.34.1.dev3+gabc" and cell.wheel == wheel
     assert cell.requirements()[0] == str(wheel)
     assert "candidate" in cell.tags

@@ -14,9 +14,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def listing(tmp_path):
-    (tmp_path / "m.toml").write_text('[matrix]\nmixed = [{ vllm = "0.33.0", torch = "2.14.0" }, { vllm = "0.32.0", torch = "2.13.0", runner = "gpu" }]\n')
-    proc = subprocess.run([sys.executable, "-m", "nox", "-f", str(REPO / "noxfile.py"), "-l", "--json"], capture_output=True, text=True,
-                          env={**os.environ, "KVCOMPAT_MATRIX": f"{tmp_path / 'm.toml'}:mixed"}, cwd=REPO, timeout=120)
+    (tmp_path / "m.toml").write_text(
+        '[matrix]\nmixed = [{ vllm = "0.33.0", torch = "2.14.0" }, { vllm = "0.32.0", torch = "2.13.0", runner = "gpu" }]\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "nox", "-f", str(REPO / "noxfile.py"), "-l", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KVCOMPAT_MATRIX": f"{tmp_path / 'm.toml'}:mixed"},
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -26,8 +34,13 @@ def test_github_workflow(tmp_path):
     wf = yaml.safe_load(path.read_text())
     assert set(wf["jobs"]) == {"list", "cell", "report"}
     cell = wf["jobs"]["cell"]
-    assert cell["needs"] == "list" and cell["strategy"]["matrix"]["include"] == "${{ fromJSON(needs.list.outputs.cells) }}"
-    assert any(s.get("uses", "").startswith("actions/upload-artifact") and s["with"]["path"] == "results/*.json" for s in cell["steps"])
+    assert (
+        cell["needs"] == "list" and cell["strategy"]["matrix"]["include"] == "${{ fromJSON(needs.list.outputs.cells) }}"
+    )
+    assert any(
+        s.get("uses", "").startswith("actions/upload-artifact") and s["with"]["path"] == "results/*.json"
+        for s in cell["steps"]
+    )
     report = wf["jobs"]["report"]
     assert report["needs"] == "cell" and report["if"] == "always()"
     assert any("nox -s report -- collected" in s.get("run", "") for s in report["steps"])
@@ -35,7 +48,13 @@ def test_github_workflow(tmp_path):
 
 
 def test_github_matrix_from_nox_listing(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvcompat.ci", "github-matrix"], input=listing(tmp_path), capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcompat.ci", "github-matrix"],
+        input=listing(tmp_path),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     include = json.loads(out.stdout)
     assert [(c["session"], c["runs_on"]) for c in include] == [
         ("matrix(vllm='0.33.0', torch='2.14.0')", ci.CPU_RUNNER),

@@ -17,8 +17,17 @@ from kvcompat.report.write import write_reports
 from kvcompat.results import CellResult, TestResult, write_result
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
 
 if CHROMIUM is None:
     # CI installs chromium (.ci/run); only a developer machine without it may skip.
@@ -30,23 +39,60 @@ if CHROMIUM is None:
 @pytest.fixture
 def report(tmp_path) -> Path:
     results = tmp_path / "results"
+
     def cell(vllm, torch, outcome, tests, **kw):
-        return CellResult(cell=Cell(vllm=vllm, torch=torch).to_json(), outcome=outcome, detail=kw.pop("detail", ""),
-                          tests=[TestResult(f"tests/connectors/test_multi.py::{n}", TestOutcome(o), 0.4, m) for n, o, m in tests],
-                          versions={"vllm": vllm, "torch": torch, "transformers": "5.20.2"}, python="3.11.7",
-                          phases={"resolve": 2.1, "install": 30.0, "import": 18.0, "test": 40.0}, log_tail="E   AssertionError: loaded by child 1", **kw)
-    write_result(results, cell("0.33.0", "2.14.0", Outcome.PASS, [("test_load_nixl_first", "passed", None), ("test_store_all", "passed", None)], detail="2/2 tests passed"))
-    write_result(results, cell("0.26.0", "2.11.0", Outcome.TEST_FAIL,
-                               [("test_load_nixl_first", "failed", "AssertionError: expected child 0 (Nixl), loaded by child 1"), ("test_store_all", "passed", None)],
-                               detail="1/2 tests passed"))
-    write_result(results, cell("0.0.0.dev0", "pinned", Outcome.UNRESOLVABLE, [], detail="Because there is no version of vllm==0.0.0.dev0"))
+        return CellResult(
+            cell=Cell(vllm=vllm, torch=torch).to_json(),
+            outcome=outcome,
+            detail=kw.pop("detail", ""),
+            tests=[TestResult(f"tests/connectors/test_multi.py::{n}", TestOutcome(o), 0.4, m) for n, o, m in tests],
+            versions={"vllm": vllm, "torch": torch, "transformers": "5.20.2"},
+            python="3.11.7",
+            phases={"resolve": 2.1, "install": 30.0, "import": 18.0, "test": 40.0},
+            log_tail="E   AssertionError: loaded by child 1",
+            **kw,
+        )
+
+    write_result(
+        results,
+        cell(
+            "0.33.0",
+            "2.14.0",
+            Outcome.PASS,
+            [("test_load_nixl_first", "passed", None), ("test_store_all", "passed", None)],
+            detail="2/2 tests passed",
+        ),
+    )
+    write_result(
+        results,
+        cell(
+            "0.26.0",
+            "2.11.0",
+            Outcome.TEST_FAIL,
+            [
+                ("test_load_nixl_first", "failed", "AssertionError: expected child 0 (Nixl), loaded by child 1"),
+                ("test_store_all", "passed", None),
+            ],
+            detail="1/2 tests passed",
+        ),
+    )
+    write_result(
+        results,
+        cell(
+            "0.0.0.dev0", "pinned", Outcome.UNRESOLVABLE, [], detail="Because there is no version of vllm==0.0.0.dev0"
+        ),
+    )
     write_reports(build_report([results]), tmp_path / "reports")
     return tmp_path / "reports" / "compat.html"
 
 
 def chromium(*args, tmp_path):
-    return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_grid_renders_with_status_words(report, tmp_path):
@@ -67,7 +113,10 @@ def test_clicking_a_cell_opens_its_drilldown(report, tmp_path):
     assert shot.stat().st_size > 10_000
     # the panel is hidden until targeted: check the computed visibility in the browser itself
     probe = tmp_path / "probe.html"
-    probe.write_text(html.replace("</body>", """<script>
+    probe.write_text(
+        html.replace(
+            "</body>",
+            """<script>
       window.addEventListener('load', () => {
       const p = document.getElementById('d-vllm-0_26_0__torch-2_11_0__ours');
       const q = document.getElementById('d-vllm-0_33_0__torch-2_14_0__ours');
@@ -75,7 +124,9 @@ def test_clicking_a_cell_opens_its_drilldown(report, tmp_path):
         + ';msg=' + (p.innerText.includes('loaded by child 1')) + ';ver=' + p.innerText.includes('torch==2.11.0');
       document.body.setAttribute('data-probe', document.title);
       });
-    </script></body>"""))
+    </script></body>""",
+        )
+    )
     dom = chromium("--dump-dom", probe.as_uri() + link, tmp_path=tmp_path).stdout
     assert 'data-probe="shown=block;other=none;msg=true;ver=true"' in dom
     if os.environ.get("KVCOMPAT_SCREENSHOT_DIR"):  # keep the pictures for a human to look at

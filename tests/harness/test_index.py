@@ -27,8 +27,12 @@ class FakeIndex:
     def __call__(self, url: str, *, accept: str | None = None, **_) -> bytes:
         self.urls.append(url)
         if self.html:
-            return "".join(f'<a href="../../f/{n}#sha256=00"{" data-yanked" if y else ""}>{n}</a>' for n, y in FILES).encode()
-        return json.dumps({"files": [{"filename": n, "url": f"../../f/{n}", "hashes": {}, "yanked": y} for n, y in FILES]}).encode()
+            return "".join(
+                f'<a href="../../f/{n}#sha256=00"{" data-yanked" if y else ""}>{n}</a>' for n, y in FILES
+            ).encode()
+        return json.dumps(
+            {"files": [{"filename": n, "url": f"../../f/{n}", "hashes": {}, "yanked": y} for n, y in FILES]}
+        ).encode()
 
 
 @pytest.mark.parametrize("html", [False, True], ids=["pep691-json", "pep503-html"])
@@ -49,5 +53,7 @@ def test_unreachable_index_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(simple_api, "http_get", refuse)
     with pytest.raises(index.IndexUnavailable) as err:
         index.list_versions("vllm", cache_root=tmp_path, index_url="http://127.0.0.1:9/simple")
-    assert str(err.value) == ("cannot list vllm versions on http://127.0.0.1:9/simple ([Errno 111] Connection refused); "
-                              "check the network or --index-url / $UV_DEFAULT_INDEX")
+    assert str(err.value) == (
+        "cannot list vllm versions on http://127.0.0.1:9/simple ([Errno 111] Connection refused); "
+        "check the network or --index-url / $UV_DEFAULT_INDEX"
+    )

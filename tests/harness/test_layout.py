@@ -56,7 +56,9 @@ def test_testkit_imports_no_harness_internals():
 
 def test_shared_vocabulary_is_stdlib_only():
     for name in SHARED - {"kvcompat"}:
-        third_party = {m.split(".")[0] for m in imports(modules()[name])} - set(sys.stdlib_module_names) - {"__future__"}
+        third_party = (
+            {m.split(".")[0] for m in imports(modules()[name])} - set(sys.stdlib_module_names) - {"__future__"}
+        )
         assert third_party <= {"kvcompat"}, f"{name} imports {third_party}"
         assert not {m for m in imports(modules()[name]) if m.startswith("kvcompat.")}, f"{name} imports kvcompat"
 
@@ -64,17 +66,21 @@ def test_shared_vocabulary_is_stdlib_only():
 def test_harness_modules_import_without_vllm():
     """Import every harness module in a fresh interpreter where vllm/torch cannot be imported."""
     names = [n for n in modules() if not in_cell(n)]
-    code = ("import sys\nclass Block:\n    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] in ('vllm', 'torch'):\n            raise ImportError('blocked: ' + name)\n"
-            "sys.meta_path.insert(0, Block())\nimport importlib\n"
-            f"for n in {names!r}:\n    importlib.import_module(n)\nprint('ok', len({names!r}))\n")
+    code = (
+        "import sys\nclass Block:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('vllm', 'torch'):\n            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\nimport importlib\n"
+        f"for n in {names!r}:\n    importlib.import_module(n)\nprint('ok', len({names!r}))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(SRC)})
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr
 
 
 def test_no_import_cycles():
     known = set(modules())
-    graph = {n: {m for m in imports(p) if m in known and m != n and not n.startswith(m + ".")} for n, p in modules().items()}
+    graph = {
+        n: {m for m in imports(p) if m in known and m != n and not n.startswith(m + ".")} for n, p in modules().items()
+    }
     # an import of a package's name means its __init__; a package __init__ importing its own modules is fine
     state: dict[str, int] = {}
 
@@ -82,7 +88,7 @@ def test_no_import_cycles():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt) :] + [nxt]))
             if nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = 2
@@ -95,8 +101,9 @@ def test_no_import_cycles():
 def test_readme_map_lists_every_module_and_nothing_else():
     readme = (REPO / "README.md").read_text()
     section = readme.split("## Where things are", 1)[1].split("\n## ", 1)[0]
-    listed = {cell.strip("` ") for line in section.splitlines() if line.startswith("| `")
-              for cell in [line.split("|")[1]]}
+    listed = {
+        cell.strip("` ") for line in section.splitlines() if line.startswith("| `") for cell in [line.split("|")[1]]
+    }
     files = {str(p.relative_to(SRC)) for p in (SRC / "kvcompat").rglob("*.py") if p.name != "__init__.py"}
     assert files - listed == set(), f"modules missing from the README's map: {sorted(files - listed)}"
     stale = {p for p in listed if p.startswith("kvcompat/") and p not in files}

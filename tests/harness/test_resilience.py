@@ -16,14 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
+from fakes import build_project
 
 from kvcompat.atomic import write_atomic
 
-from fakes import build_project
-
 REPO = Path(__file__).resolve().parents[2]
 
-SUITE = '''
+SUITE = """
 import os, time
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
 
@@ -33,7 +32,7 @@ def test_first_wins():
         open(os.environ["KVCOMPAT_TEST_HANG"], "w").write(str(os.getpid()))
         time.sleep(600)
     assert first_wins([0, 3]) == 1
-'''
+"""
 
 
 @pytest.fixture
@@ -49,9 +48,16 @@ def _sigint_default() -> None:
 
 
 def nox(root, *args, env=None, stdout=subprocess.PIPE):
-    return subprocess.Popen([sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args], cwd=root,
-                            stdout=stdout, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=_sigint_default)
+    return subprocess.Popen(
+        [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args],
+        cwd=root,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+        preexec_fn=_sigint_default,
+    )
 
 
 def wait_for(pred, timeout=180):
@@ -114,8 +120,14 @@ def test_hanging_cell_times_out_and_the_matrix_goes_on(project):
     pidfile = project / "hung.pid"
     # Cells run newest first: 0.0.2 hangs inside pytest and is killed at the per-cell timeout;
     # 0.0.1 still runs, and the report has both.
-    proc = nox(project, "-s", "matrix", "--", "--timeout=20",
-               env={"KVCOMPAT_TEST_HANG": str(pidfile), "KVCOMPAT_TEST_HANG_VERSION": "0.0.2"})
+    proc = nox(
+        project,
+        "-s",
+        "matrix",
+        "--",
+        "--timeout=20",
+        env={"KVCOMPAT_TEST_HANG": str(pidfile), "KVCOMPAT_TEST_HANG_VERSION": "0.0.2"},
+    )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 1, out  # nox: one session failed
     got = results(project)

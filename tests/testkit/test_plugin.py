@@ -3,8 +3,7 @@
 import json
 import platform
 
-
-SUITE = '''
+SUITE = """
 import pytest
 from kvcompat.testkit import not_applicable
 
@@ -38,7 +37,7 @@ def bad_teardown():
 
 def test_teardown_error(bad_teardown):
     pass
-'''
+"""
 
 
 def run(pytester, source, **more):
@@ -82,7 +81,9 @@ def test_no_tests_collected(pytester):
 
 def test_deselected_tests_are_listed(pytester):
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs CUDA\n")
-    pytester.makepyfile(test_suite="import pytest\n\n@pytest.mark.gpu\ndef test_gpu():\n    pass\n\ndef test_cpu():\n    pass\n")
+    pytester.makepyfile(
+        test_suite="import pytest\n\n@pytest.mark.gpu\ndef test_gpu():\n    pass\n\ndef test_cpu():\n    pass\n"
+    )
     out = pytester.path / "out.json"
     pytester.runpytest_subprocess("-p", "kvcompat.testkit.pytest_plugin", f"--kvcompat-json={out}", "-m", "not gpu")
     data = json.loads(out.read_text())

@@ -15,8 +15,17 @@ def render_json(rep: Report) -> str:
             "totals": rep.totals(),
             "rows": rep.rows,
             "columns": rep.columns,
-            "grid": [{"row": gc.row, "column": rep.column(gc), "cell": gc.result.id, "suite": gc.suite,
-                      "outcome": gc.outcome.value, "text": gc.text()} for gc in rep.ordered()],
+            "grid": [
+                {
+                    "row": gc.row,
+                    "column": rep.column(gc),
+                    "cell": gc.result.id,
+                    "suite": gc.suite,
+                    "outcome": gc.outcome.value,
+                    "text": gc.text(),
+                }
+                for gc in rep.ordered()
+            ],
             "episodes": [dataclasses.asdict(e) for e in rep.episodes()],
             "changes": rep.changes(),
             "outcomes": rep.outcomes(),

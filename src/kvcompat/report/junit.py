@@ -21,7 +21,9 @@ def render_junit(rep: Report) -> str:
             elif t.outcome is TestOutcome.NOT_APPLICABLE:
                 body = f"<skipped message={quoteattr('not applicable: ' + (t.message or ''))}/>"
             name = t.nodeid if t.suite == "ours" else f"[{t.suite}] {t.nodeid}"
-            cases.append(f'<testcase classname={quoteattr(r.id)} name={quoteattr(name)} time="{t.duration:.3f}">{body}</testcase>')
+            cases.append(
+                f'<testcase classname={quoteattr(r.id)} name={quoteattr(name)} time="{t.duration:.3f}">{body}</testcase>'
+            )
         if not r.tests:  # the cell never reached its tests: one synthetic case carries why
             tag = "skipped" if r.outcome is Outcome.NOT_APPLICABLE else "error"
             cases.append(
@@ -31,7 +33,7 @@ def render_junit(rep: Report) -> str:
         c = r.counts()
         errors = c["error"] + (0 if r.tests or r.outcome is Outcome.NOT_APPLICABLE else 1)
         suites.append(
-            f"<testsuite name={quoteattr(r.id)} tests=\"{max(len(r.tests), 1)}\" failures=\"{c['failed']}\" errors=\"{errors}\" "
-            f"skipped=\"{c['not_applicable']}\" time=\"{sum(r.phases.values()):.2f}\">" + "".join(cases) + "</testsuite>"
+            f'<testsuite name={quoteattr(r.id)} tests="{max(len(r.tests), 1)}" failures="{c["failed"]}" errors="{errors}" '
+            f'skipped="{c["not_applicable"]}" time="{sum(r.phases.values()):.2f}">' + "".join(cases) + "</testsuite>"
         )
     return '<?xml version="1.0" encoding="utf-8"?>\n<testsuites name="kvcompat">' + "".join(suites) + "</testsuites>\n"

@@ -16,7 +16,12 @@ MARK = {
     Outcome.INSTALL_ERROR: "🟣",
     Outcome.UNRESOLVABLE: "⚫",
 }
-TEST_MARK = {TestOutcome.PASSED: "🟢 pass", TestOutcome.FAILED: "🔴 fail", TestOutcome.ERROR: "🟠 error", TestOutcome.NOT_APPLICABLE: "⚪ n/a"}
+TEST_MARK = {
+    TestOutcome.PASSED: "🟢 pass",
+    TestOutcome.FAILED: "🔴 fail",
+    TestOutcome.ERROR: "🟠 error",
+    TestOutcome.NOT_APPLICABLE: "⚪ n/a",
+}
 
 
 def render_markdown(rep: Report) -> str:
@@ -34,14 +39,24 @@ def render_markdown(rep: Report) -> str:
     disagreements = rep.disagreements()
     if disagreements:
         out += ["## Suites disagree", ""]
-        out += [f"- {ours.row} ({ours.torch_label}): ours says **{ours.outcome.label}**, upstream says "
-                f"**{up.outcome.label}** ({up.text()})" for ours, up in disagreements] + [""]
+        out += [
+            f"- {ours.row} ({ours.torch_label}): ours says **{ours.outcome.label}**, upstream says "
+            f"**{up.outcome.label}** ({up.text()})"
+            for ours, up in disagreements
+        ] + [""]
 
     episodes = rep.episodes()
     if episodes:
-        out += ["## Regressions and fixes", "", "| test | lane | last passed | first failed | last failed | fixed in |", "|---|---|---|---|---|---|"]
+        out += [
+            "## Regressions and fixes",
+            "",
+            "| test | lane | last passed | first failed | last failed | fixed in |",
+            "|---|---|---|---|---|---|",
+        ]
         for e in episodes:
-            out.append(f"| `{short_test(e.test)}` | {e.lane} | {e.last_passed or '—'} | {e.first_failed} | {e.last_failed} | {e.fixed_in or 'not yet'} |")
+            out.append(
+                f"| `{short_test(e.test)}` | {e.lane} | {e.last_passed or '—'} | {e.first_failed} | {e.last_failed} | {e.fixed_in or 'not yet'} |"
+            )
         out.append("")
 
     changes = rep.changes()
@@ -69,7 +84,11 @@ def render_markdown(rep: Report) -> str:
                 out.append(f"| `{short_test(tid)}` | " + " | ".join(marks) + " |")
         out.append("")
 
-    notable = [gc for gc in rep.ordered() if not gc.outcome.is_green or any(t.outcome is not TestOutcome.PASSED for t in gc.tests)]
+    notable = [
+        gc
+        for gc in rep.ordered()
+        if not gc.outcome.is_green or any(t.outcome is not TestOutcome.PASSED for t in gc.tests)
+    ]
     if notable:
         out += ["## Details", ""]
     for gc in notable:
@@ -78,6 +97,14 @@ def render_markdown(rep: Report) -> str:
             if t.outcome is not TestOutcome.PASSED:
                 out.append(f"- `{short_test(t.nodeid)}` {t.outcome.value}: {headline(t.message)}"[:400])
         if not gc.tests and gc.result.log_tail:
-            out += ["", "<details><summary>log tail</summary>", "", "```", gc.result.log_tail[-2000:], "```", "</details>"]
+            out += [
+                "",
+                "<details><summary>log tail</summary>",
+                "",
+                "```",
+                gc.result.log_tail[-2000:],
+                "```",
+                "</details>",
+            ]
         out.append("")
     return "\n".join(out) + "\n"

@@ -113,7 +113,9 @@ class Episode:
 class Report:
     results: list[CellResult]
     generated: str
-    previous: dict[str, str] = dataclasses.field(default_factory=dict)  # "gridkey::nodeid" -> outcome, from the last report
+    previous: dict[str, str] = dataclasses.field(
+        default_factory=dict
+    )  # "gridkey::nodeid" -> outcome, from the last report
 
     def __post_init__(self) -> None:
         self.cells = [gc for r in self.results for gc in grid_cells(r)]
@@ -216,7 +218,7 @@ def short_test(nodeid: str) -> str:
 
 
 def build_report(dirs: list[Path], previous: Path | None = None) -> Report:
-    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     prev = {}
     if previous is not None and previous.is_file():
         try:
@@ -224,7 +226,3 @@ def build_report(dirs: list[Path], previous: Path | None = None) -> Report:
         except ValueError:
             prev = {}
     return Report(results=load_results(*dirs), generated=now, previous=prev)
-
-
-
-

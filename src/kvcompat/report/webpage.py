@@ -56,34 +56,53 @@ def panel_id(gc: GridCell) -> str:
 
 
 def _test_style(outcome: TestOutcome) -> str:
-    return _style({TestOutcome.PASSED: Outcome.PASS, TestOutcome.FAILED: Outcome.TEST_FAIL,
-                   TestOutcome.ERROR: Outcome.TEST_ERROR, TestOutcome.NOT_APPLICABLE: Outcome.NOT_APPLICABLE}[outcome])
+    return _style(
+        {
+            TestOutcome.PASSED: Outcome.PASS,
+            TestOutcome.FAILED: Outcome.TEST_FAIL,
+            TestOutcome.ERROR: Outcome.TEST_ERROR,
+            TestOutcome.NOT_APPLICABLE: Outcome.NOT_APPLICABLE,
+        }[outcome]
+    )
 
 
 def _panel(rep: Report, gc: GridCell) -> str:
     r = gc.result
-    parts = [f'<section class="panel" id="{panel_id(gc)}"><a class="close" href="#">close ✕</a>',
-             f"<h3>vLLM {escape(gc.row)} · {escape(rep.column(gc))}: "
-             f'<span class="tag" style="{_style(gc.outcome)}">{escape(gc.outcome.label)}</span></h3>',
-             f"<p>{escape(gc.detail or r.detail)}</p>"]
+    parts = [
+        f'<section class="panel" id="{panel_id(gc)}"><a class="close" href="#">close ✕</a>',
+        f"<h3>vLLM {escape(gc.row)} · {escape(rep.column(gc))}: "
+        f'<span class="tag" style="{_style(gc.outcome)}">{escape(gc.outcome.label)}</span></h3>',
+        f"<p>{escape(gc.detail or r.detail)}</p>",
+    ]
     phases = ", ".join(f"{k} {v:.1f}s" for k, v in r.phases.items())
-    parts.append(f'<p class="small">cell <code>{escape(r.id)}</code> · finished {escape(r.finished or "?")} · '
-                 f"Python {escape(r.python or '?')} · {escape(phases)}</p>")
+    parts.append(
+        f'<p class="small">cell <code>{escape(r.id)}</code> · finished {escape(r.finished or "?")} · '
+        f"Python {escape(r.python or '?')} · {escape(phases)}</p>"
+    )
     bad = [t for t in gc.tests if t.outcome is not TestOutcome.PASSED]
     if gc.tests:
-        parts.append(f"<h4>Tests ({gc.counts()['passed']}/{len(gc.tests)} passed)</h4><table><tr><th>test</th><th>outcome</th><th>time</th></tr>")
+        parts.append(
+            f"<h4>Tests ({gc.counts()['passed']}/{len(gc.tests)} passed)</h4><table><tr><th>test</th><th>outcome</th><th>time</th></tr>"
+        )
         for t in sorted(gc.tests, key=lambda t: (t.outcome is TestOutcome.PASSED, t.nodeid)):
-            parts.append(f"<tr><td><code>{escape(short_test(t.nodeid))}</code></td>"
-                         f'<td><span class="tag" style="{_test_style(t.outcome)}">{escape(t.outcome.value.replace("_", " "))}</span></td>'
-                         f"<td>{t.duration:.2f}s</td></tr>")
+            parts.append(
+                f"<tr><td><code>{escape(short_test(t.nodeid))}</code></td>"
+                f'<td><span class="tag" style="{_test_style(t.outcome)}">{escape(t.outcome.value.replace("_", " "))}</span></td>'
+                f"<td>{t.duration:.2f}s</td></tr>"
+            )
         parts.append("</table>")
     for t in bad:
-        parts.append(f"<h4><code>{escape(short_test(t.nodeid))}</code>: {escape(t.outcome.value)}</h4><pre>{escape(t.message or '')}</pre>")
+        parts.append(
+            f"<h4><code>{escape(short_test(t.nodeid))}</code>: {escape(t.outcome.value)}</h4><pre>{escape(t.message or '')}</pre>"
+        )
     if r.versions:
         key = [f"{n}=={r.versions[n]}" for n in KEY_PACKAGES if n in r.versions]
         parts.append(f"<h4>Installed</h4><p><code>{escape('  '.join(key))}</code></p>")
-        parts.append("<details><summary class='small'>all packages</summary><pre>"
-                     + escape("\n".join(f"{k}=={v}" for k, v in sorted(r.versions.items()))) + "</pre></details>")
+        parts.append(
+            "<details><summary class='small'>all packages</summary><pre>"
+            + escape("\n".join(f"{k}=={v}" for k, v in sorted(r.versions.items())))
+            + "</pre></details>"
+        )
     if r.log_tail and (not gc.outcome.is_green or not gc.tests):
         parts.append(f"<h4>Log tail</h4><pre>{escape(r.log_tail)}</pre>")
     parts.append("</section>")
@@ -91,15 +110,27 @@ def _panel(rep: Report, gc: GridCell) -> str:
 
 
 def render_html(rep: Report) -> str:
-    head = ('<!doctype html><html lang="en"><head><meta charset="utf-8"><title>kvcompat report</title>'
-            f"<style>{CSS}</style></head><body>")
+    head = (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>kvcompat report</title>'
+        f"<style>{CSS}</style></head><body>"
+    )
     body = ["<h1>vLLM KV-connector compatibility: MultiConnector(NixlConnector + CPU offload)</h1>"]
     if not rep.results:
         return head + "".join(body) + "<p>No results yet: run <code>nox -s matrix</code>.</p></body></html>\n"
     totals = ", ".join(f"{n} {Outcome(k).label}" for k, n in rep.totals().items() if n)
-    body.append(f'<div class="meta">Generated {escape(rep.generated)} · {len(rep.results)} cells: {escape(totals)} · click a cell for details</div>')
-    body.append('<div class="legend">' + "".join(f'<span style="{_style(o)}">{escape(o.label)}</span>' for o in Outcome) + "</div>")
-    body.append('<h2>Grid</h2><table class="grid"><tr><th>vLLM \\ torch</th>' + "".join(f"<th>{escape(c)}</th>" for c in rep.columns) + "</tr>")
+    body.append(
+        f'<div class="meta">Generated {escape(rep.generated)} · {len(rep.results)} cells: {escape(totals)} · click a cell for details</div>'
+    )
+    body.append(
+        '<div class="legend">'
+        + "".join(f'<span style="{_style(o)}">{escape(o.label)}</span>' for o in Outcome)
+        + "</div>"
+    )
+    body.append(
+        '<h2>Grid</h2><table class="grid"><tr><th>vLLM \\ torch</th>'
+        + "".join(f"<th>{escape(c)}</th>" for c in rep.columns)
+        + "</tr>"
+    )
     for row in rep.rows:
         body.append(f"<tr><th>{escape(row)}</th>")
         for col in rep.columns:
@@ -107,20 +138,27 @@ def render_html(rep: Report) -> str:
             if gc is None:
                 body.append("<td></td>")
             else:
-                body.append(f'<td class="cell" data-outcome="{gc.outcome.value}"><a href="#{panel_id(gc)}" style="{_style(gc.outcome)}">'
-                            f"{escape(gc.text())}</a></td>")
+                body.append(
+                    f'<td class="cell" data-outcome="{gc.outcome.value}"><a href="#{panel_id(gc)}" style="{_style(gc.outcome)}">'
+                    f"{escape(gc.text())}</a></td>"
+                )
         body.append("</tr>")
     body.append("</table>")
     body.extend(_panel(rep, gc) for gc in rep.ordered())
 
     episodes = rep.episodes()
     if episodes:
-        body.append("<h2>Regressions and fixes</h2><table><tr><th>test</th><th>lane</th><th>last passed</th>"
-                    "<th>first failed</th><th>last failed</th><th>fixed in</th></tr>")
+        body.append(
+            "<h2>Regressions and fixes</h2><table><tr><th>test</th><th>lane</th><th>last passed</th>"
+            "<th>first failed</th><th>last failed</th><th>fixed in</th></tr>"
+        )
         for e in episodes:
             cells = [e.last_passed or "—", e.first_failed, e.last_failed, e.fixed_in or "not yet"]
-            body.append(f"<tr><td><code>{escape(short_test(e.test))}</code></td><td>{escape(e.lane)}</td>"
-                        + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
+            body.append(
+                f"<tr><td><code>{escape(short_test(e.test))}</code></td><td>{escape(e.lane)}</td>"
+                + "".join(f"<td>{escape(c)}</td>" for c in cells)
+                + "</tr>"
+            )
         body.append("</table>")
     changes = rep.changes()
     if rep.previous:

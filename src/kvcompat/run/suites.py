@@ -25,8 +25,12 @@ PLUGIN = "kvcompat.testkit.pytest_plugin"
 PROBE_MARK = "KVCOMPAT-PROBE vllm imported"
 PROBE_CODE = f"import vllm\nprint({PROBE_MARK!r})\n"
 # pytest's exit statuses other than 0 (all passed) and 1 (some failed): none is a verdict on vLLM.
-PYTEST_EXIT = {2: "interrupted, e.g. by a collection error", 3: "internal error", 4: "usage error, e.g. a conftest crash",
-               5: "no tests collected"}
+PYTEST_EXIT = {
+    2: "interrupted, e.g. by a collection error",
+    3: "internal error",
+    4: "usage error, e.g. a conftest crash",
+    5: "no tests collected",
+}
 
 
 @dataclasses.dataclass
@@ -71,8 +75,13 @@ def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
         # platform="cpu": vLLM's CpuPlatform, as for our suite (the official wheels otherwise
         # resolve to UnspecifiedPlatform here). Engine tests build LLM(...) with real weights,
         # which cannot exist offline: they are deselected, and the report lists them.
-        up = upstream.prepare(ctx.cell.vllm, ctx.opts.repo / ".kvcompat" / "upstream", index_url=ctx.opts.upstream_index,
-                              platform="cpu", exclude_engine_tests=True)
+        up = upstream.prepare(
+            ctx.cell.vllm,
+            ctx.opts.repo / ".kvcompat" / "upstream",
+            index_url=ctx.opts.upstream_index,
+            platform="cpu",
+            exclude_engine_tests=True,
+        )
         return SuiteRun(path=str(up.path), cwd=Path(up.rootdir), args=list(up.pytest_args), env=dict(up.env))
     raise ValueError(f"unknown suite {suite!r}")
 
@@ -82,33 +91,58 @@ def run_pytest(ctx: CellContext, suite: str, run: SuiteRun) -> SuiteVerdict:
     report = ctx.files.pytest_report(suite)
     report.unlink(missing_ok=True)
     cmd = [
-        ctx.python, "-m", "pytest", run.path, "-p", PLUGIN, f"--kvcompat-json={report}",
-        f"--kvcompat-suite={suite}", "-p", "no:cacheprovider", "-q", "-rA", "--tb=short", f"--rootdir={run.cwd}",
-        *run.args, *ctx.opts.pytest_args,
+        ctx.python,
+        "-m",
+        "pytest",
+        run.path,
+        "-p",
+        PLUGIN,
+        f"--kvcompat-json={report}",
+        f"--kvcompat-suite={suite}",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rA",
+        "--tb=short",
+        f"--rootdir={run.cwd}",
+        *run.args,
+        *ctx.opts.pytest_args,
     ]
     rc, out = ctx.sh(cmd, timeout=ctx.opts.timeout_s, phase="test", env=run.env, cwd=run.cwd)
     data = _read_json(report)
     tests = [TestResult.from_json(t) for t in data.get("tests", [])] if data else []
     python = data.get("python") if data else None
     if rc is None:
-        return SuiteVerdict(Outcome.TIMEOUT, f"pytest did not finish in {ctx.opts.timeout_s:.0f}s (process group killed)",
-                            tests, python)
+        return SuiteVerdict(
+            Outcome.TIMEOUT, f"pytest did not finish in {ctx.opts.timeout_s:.0f}s (process group killed)", tests, python
+        )
     if data is None:
-        return SuiteVerdict(Outcome.TEST_ERROR, f"pytest exited {rc} without writing results: "
-                            + last_error_line(out, "crashed"), tests)
+        return SuiteVerdict(
+            Outcome.TEST_ERROR, f"pytest exited {rc} without writing results: " + last_error_line(out, "crashed"), tests
+        )
     if rc not in (0, 1):
         meaning = PYTEST_EXIT.get(rc, "crashed")
-        return SuiteVerdict(Outcome.TEST_ERROR, f"pytest exit status {rc} ({meaning}): " + last_error_line(out, "no tests ran"),
-                            tests, python)
+        return SuiteVerdict(
+            Outcome.TEST_ERROR,
+            f"pytest exit status {rc} ({meaning}): " + last_error_line(out, "no tests ran"),
+            tests,
+            python,
+        )
     outcome = cell_outcome(t.outcome for t in tests)
     if rc == 0 and outcome is Outcome.TEST_FAIL or rc == 1 and outcome is Outcome.PASS:
-        return SuiteVerdict(Outcome.TEST_ERROR, f"pytest exit status {rc} disagrees with the recorded tests ({outcome.value})",
-                            tests, python)
+        return SuiteVerdict(
+            Outcome.TEST_ERROR,
+            f"pytest exit status {rc} disagrees with the recorded tests ({outcome.value})",
+            tests,
+            python,
+        )
     detail = f"{count_tests(tests)['passed']}/{len(tests)} tests passed"
     if data.get("deselected"):
         names = ", ".join(sorted(n.split("::")[-1] for n in data["deselected"]))
-        why = " ".join(run.args[run.args.index("-m"):][:2]) if "-m" in run.args else "deselected"
-        detail += f"; {len(data['deselected'])} not run here ({why}): " + (names if len(names) < 300 else names[:300] + "…")
+        why = " ".join(run.args[run.args.index("-m") :][:2]) if "-m" in run.args else "deselected"
+        detail += f"; {len(data['deselected'])} not run here ({why}): " + (
+            names if len(names) < 300 else names[:300] + "…"
+        )
     return SuiteVerdict(outcome, detail, tests, python)
 
 
@@ -136,13 +170,28 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
         with ctx.timed("import"):
             rc, out = ctx.sh([ctx.python, "-c", PROBE_CODE], timeout=ctx.opts.import_timeout_s, phase="import")
         if rc is None:
-            return record.finish(ctx, Outcome.TIMEOUT, f"import vllm did not finish in {ctx.opts.import_timeout_s:.0f}s",
-                                 versions=versions)
+            return record.finish(
+                ctx,
+                Outcome.TIMEOUT,
+                f"import vllm did not finish in {ctx.opts.import_timeout_s:.0f}s",
+                versions=versions,
+            )
         if rc != 0 or PROBE_MARK not in out.splitlines():
-            return record.finish(ctx, Outcome.IMPORT_ERROR, last_error_line(out, "import vllm failed"), versions=versions)
+            return record.finish(
+                ctx, Outcome.IMPORT_ERROR, last_error_line(out, "import vllm failed"), versions=versions
+            )
     resolved = installed.resolved
-    return record.finish(ctx, outcome, detail, tests=tests, versions=versions, python=python, cache_key=resolved.key,
-                         resolved_at=resolved.resolved_at, suites=info)
+    return record.finish(
+        ctx,
+        outcome,
+        detail,
+        tests=tests,
+        versions=versions,
+        python=python,
+        cache_key=resolved.key,
+        resolved_at=resolved.resolved_at,
+        suites=info,
+    )
 
 
 def _read_json(path: Path) -> dict | None:

@@ -66,7 +66,7 @@ class RecordedCall:
 class FakeNixlWrapper:
     """Drop-in stand-in for ``nixl_agent(name, config)``."""
 
-    instances: ClassVar[list["FakeNixlWrapper"]] = []
+    instances: ClassVar[list[FakeNixlWrapper]] = []
     polls_until_done: ClassVar[int] = 1
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -159,7 +159,9 @@ class FakeNixlWrapper:
         return key in self.remote_agents
 
     # -- transfers ------------------------------------------------------------
-    def prep_xfer_dlist(self, agent_name: str | bytes, xfer_list: Any, mem_type: str | None = None, *args: Any, **kwargs: Any) -> int:
+    def prep_xfer_dlist(
+        self, agent_name: str | bytes, xfer_list: Any, mem_type: str | None = None, *args: Any, **kwargs: Any
+    ) -> int:
         self._record("prep_xfer_dlist", (agent_name, xfer_list, mem_type) + args, kwargs)
         h = next(self._handles)
         dl = xfer_list if isinstance(xfer_list, FakeDescList) else FakeDescList(mem_type, list(xfer_list))
@@ -202,7 +204,16 @@ class FakeNixlWrapper:
         )
         return h
 
-    def initialize_xfer(self, operation: str, local_descs: Any, remote_descs: Any, remote_agent: str, notif_msg: bytes = b"", *args: Any, **kwargs: Any) -> int:
+    def initialize_xfer(
+        self,
+        operation: str,
+        local_descs: Any,
+        remote_descs: Any,
+        remote_agent: str,
+        notif_msg: bytes = b"",
+        *args: Any,
+        **kwargs: Any,
+    ) -> int:
         self._record("initialize_xfer", (operation, local_descs, remote_descs, remote_agent, notif_msg) + args, kwargs)
         h = next(self._handles)
         self._xfers[h] = _Xfer(operation, 0, [], 0, [], bytes(notif_msg) if notif_msg else b"")

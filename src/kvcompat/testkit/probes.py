@@ -17,7 +17,7 @@ class ProbeError(RuntimeError):
     """No vLLM distribution is installed, so nothing can be probed."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vllm_distribution() -> metadata.Distribution:
     for name in VLLM_DISTRIBUTIONS:
         try:
@@ -27,7 +27,7 @@ def vllm_distribution() -> metadata.Distribution:
     raise ProbeError(f"none of {VLLM_DISTRIBUTIONS} is installed in {__import__('sys').prefix}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _installed_files() -> frozenset[str]:
     files = vllm_distribution().files
     if files is None:

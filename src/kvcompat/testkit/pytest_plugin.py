@@ -37,7 +37,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     path = config.getoption("--kvcompat-json")
     if path:
-        config.pluginmanager.register(ResultCollector(Path(path), config.getoption("--kvcompat-suite")), "kvcompat-collector")
+        config.pluginmanager.register(
+            ResultCollector(Path(path), config.getoption("--kvcompat-suite")), "kvcompat-collector"
+        )
 
 
 def _message(report: pytest.TestReport | pytest.CollectReport) -> str:
@@ -63,10 +65,18 @@ class ResultCollector:
         self.deselected: list[str] = []
 
     def _record(self, nodeid: str, outcome: TestOutcome | None, message: str | None, duration: float) -> None:
-        entry = self.tests.setdefault(nodeid, {"nodeid": nodeid, "outcome": None, "duration": 0.0, "message": None, "suite": self.suite})
+        entry = self.tests.setdefault(
+            nodeid, {"nodeid": nodeid, "outcome": None, "duration": 0.0, "message": None, "suite": self.suite}
+        )
         entry["duration"] += duration
         # A later phase can only make a test worse (teardown error after a pass), never better.
-        rank = {None: -1, TestOutcome.PASSED: 0, TestOutcome.NOT_APPLICABLE: 1, TestOutcome.FAILED: 2, TestOutcome.ERROR: 3}
+        rank = {
+            None: -1,
+            TestOutcome.PASSED: 0,
+            TestOutcome.NOT_APPLICABLE: 1,
+            TestOutcome.FAILED: 2,
+            TestOutcome.ERROR: 3,
+        }
         if rank[outcome] >= rank[entry["outcome"]]:
             entry["outcome"] = outcome
             if message is not None:
@@ -81,7 +91,9 @@ class ResultCollector:
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
-            self._record(report.nodeid or "<collection>", TestOutcome.ERROR, "collection error: " + _message(report), 0.0)
+            self._record(
+                report.nodeid or "<collection>", TestOutcome.ERROR, "collection error: " + _message(report), 0.0
+            )
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         d = report.duration
@@ -109,6 +121,11 @@ class ResultCollector:
                 entry["outcome"] = TestOutcome.ERROR
                 entry["message"] = entry["message"] or "test did not run to completion"
             tests.append({**entry, "outcome": TestOutcome(entry["outcome"]).value})
-        payload = {"exitstatus": int(exitstatus), "collected": self.collected, "deselected": self.deselected, "tests": tests,
-                   "python": sys.version.split()[0]}
+        payload = {
+            "exitstatus": int(exitstatus),
+            "collected": self.collected,
+            "deselected": self.deselected,
+            "tests": tests,
+            "python": sys.version.split()[0],
+        }
         write_atomic(self.path, json.dumps(payload, indent=1))

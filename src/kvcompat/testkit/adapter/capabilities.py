@@ -15,7 +15,6 @@ from typing import Any
 
 from kvcompat.testkit import probes
 
-
 KV_BASE = "vllm.distributed.kv_transfer.kv_connector"
 
 
@@ -41,9 +40,7 @@ def has_offloading_connector() -> bool:
 
 
 def has_simple_cpu_offload() -> bool:
-    return probes.has_module("vllm.v1.simple_kv_offload") and probes.has_module(
-        V1 + ".simple_cpu_offload_connector"
-    )
+    return probes.has_module("vllm.v1.simple_kv_offload") and probes.has_module(V1 + ".simple_cpu_offload_connector")
 
 
 def nixl_module() -> str:

@@ -13,9 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvcompat.testkit.adapter.capabilities import call_with_supported, has_simple_cpu_offload, offload_child_name
 from kvcompat.testkit import probes
-
+from kvcompat.testkit.adapter.capabilities import call_with_supported, has_simple_cpu_offload, offload_child_name
 
 # Tiny local model (no weights, no hub).  head_size 32 and block_size 32 suit the
 # CPU attention backend (head sizes 32..512, block size a multiple of 32).
@@ -69,9 +68,7 @@ def _cpu_offloading_spec_module() -> str:
     return "vllm.v1.kv_offload.cpu"
 
 
-def multi_kv_transfer_config(
-    block_size: int, num_gpu_blocks: int, engine_id: str = "kvcompat-engine"
-) -> Any:
+def multi_kv_transfer_config(block_size: int, num_gpu_blocks: int, engine_id: str = "kvcompat-engine") -> Any:
     """KVTransferConfig for MultiConnector([Nixl, CPU offload]); children without engine_id."""
     from vllm.config import KVTransferConfig
 

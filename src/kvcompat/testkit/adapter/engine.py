@@ -49,6 +49,8 @@ def make_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
     if "block_size" in _params(Scheduler):
         kwargs["block_size"] = vllm_config.cache_config.block_size
     return Scheduler(**kwargs)
+
+
 _HASH_INITIALISED: dict[int, Any] = {}
 
 

@@ -56,9 +56,7 @@ def make_kv_cache_config(
     if "shared_by" in tensor_fields:
         for g in groups:
             for name in g.layer_names:
-                tensors.append(
-                    KVCacheTensor(size=g.kv_cache_spec.page_size_bytes * num_blocks, shared_by=[name])
-                )
+                tensors.append(KVCacheTensor(size=g.kv_cache_spec.page_size_bytes * num_blocks, shared_by=[name]))
     else:
         total = sum(g.kv_cache_spec.page_size_bytes * num_blocks * len(g.layer_names) for g in groups)
         offset = 0
@@ -120,9 +118,7 @@ def make_kv_caches(kv_cache_config: Any) -> dict[str, Any]:
     """
     import torch
 
-    specs = {
-        name: g.kv_cache_spec for g in kv_cache_config.kv_cache_groups for name in g.layer_names
-    }
+    specs = {name: g.kv_cache_spec for g in kv_cache_config.kv_cache_groups for name in g.layer_names}
     nb = kv_cache_config.num_blocks
 
     def shape(spec: Any) -> tuple[int, ...]:
@@ -155,7 +151,7 @@ def kv_cache_block(cache: Any, block_id: int, block_size: int = BLOCK_SIZE) -> A
     1 for ``(2, num_blocks, H, N, C)``)."""
     a = _cpu_kv_cache_shape(1, block_size)
     b = _cpu_kv_cache_shape(2, block_size)
-    axes = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    axes = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
     assert len(axes) == 1, f"cannot find the block axis of the CPU KV-cache shape {a} / {b}"
     assert _cpu_kv_cache_shape(cache.shape[axes[0]], block_size) == tuple(cache.shape), (
         f"cache shape {tuple(cache.shape)} is not the CPU KV-cache shape"

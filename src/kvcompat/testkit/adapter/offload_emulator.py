@@ -75,9 +75,9 @@ class OffloadWorkerEmulator:
         worker_meta = None
         if "store_event" in fields:  # SimpleCPUOffload
             if meta.store_event >= 0 and meta.store_gpu_blocks:
-                child = importlib.import_module(
-                    "vllm.v1.simple_kv_offload.metadata"
-                ).SimpleCPUOffloadWorkerMetadata(completed_store_events={meta.store_event: 1})
+                child = importlib.import_module("vllm.v1.simple_kv_offload.metadata").SimpleCPUOffloadWorkerMetadata(
+                    completed_store_events={meta.store_event: 1}
+                )
                 worker_meta = _wrap_multi_worker_meta(child, self.n_children, self.child_index)
                 self.completed_store_events.append(meta.store_event)
             if meta.load_event >= 0 and meta.load_gpu_blocks:
@@ -89,9 +89,7 @@ class OffloadWorkerEmulator:
             sending |= done
             self._reqs_with_stores -= done
         else:
-            raise TypeError(
-                f"no worker-completion protocol known for {type(meta).__name__} ({sorted(fields)})"
-            )
+            raise TypeError(f"no worker-completion protocol known for {type(meta).__name__} ({sorted(fields)})")
         self.finished_sending |= sending
         self.finished_recving |= recving
         if not (sending or recving or worker_meta is not None):

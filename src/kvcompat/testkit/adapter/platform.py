@@ -50,8 +50,11 @@ def select_cpu_platform() -> str:
     current = platforms.current_platform
     if current.device_type != "cpu":
         raise RuntimeError(f"could not select CpuPlatform ({how}); got {type(current).__name__}")
-    stale = sorted(name for name, mod in list(sys.modules.items())
-                   if name.startswith("vllm") and getattr(mod, "current_platform", current) is not current)
+    stale = sorted(
+        name
+        for name, mod in list(sys.modules.items())
+        if name.startswith("vllm") and getattr(mod, "current_platform", current) is not current
+    )
     if stale:
         raise RuntimeError(f"{how}, but these modules already hold another platform: {', '.join(stale)}")
     return how

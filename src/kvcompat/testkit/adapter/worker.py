@@ -54,8 +54,9 @@ def kv_connector_output_of(result: WorkerStepResult) -> Any:
     """The KVConnectorOutput a worker whose connector reported ``result`` sends
     to the scheduler (None when it reported nothing)."""
     r = result
-    if not (r.finished_sending or r.finished_recving or r.failed_recving or r.invalid_block_ids
-            or r.worker_meta is not None):
+    if not (
+        r.finished_sending or r.finished_recving or r.failed_recving or r.invalid_block_ids or r.worker_meta is not None
+    ):
         return None
     return make_kv_connector_output(
         finished_sending=r.finished_sending or None,
