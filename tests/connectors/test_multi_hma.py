@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from conftest import BLOCK, token_ids
-
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable
+
+from conftest import BLOCK, token_ids
 
 
 def _require_multi_hma() -> None:

@@ -8,11 +8,12 @@ worker->scheduler protocol by ``OffloadWorkerEmulator`` (see vllm_adapter).
 
 from __future__ import annotations
 
-from conftest import BLOCK, token_ids
 from packaging.version import Version
 
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import probes
+
+from conftest import BLOCK, token_ids
 
 
 def _release_at_least(v: str) -> bool:

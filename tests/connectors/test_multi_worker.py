@@ -18,10 +18,11 @@ import os
 from typing import Any
 
 import pytest
-from conftest import BLOCK, build_worker, token_ids
 
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
+
+from conftest import BLOCK, build_worker, token_ids
 
 
 @pytest.fixture

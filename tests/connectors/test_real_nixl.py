@@ -35,10 +35,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import BLOCK, build_worker, token_ids
 
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable
+
+from conftest import BLOCK, build_worker, token_ids
 
 pytestmark = pytest.mark.real_nixl
 

@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
 pytest_plugins = ["pytester"]
 
-from fakes import FAKE_CONNECTOR_FILES, build_wheel  # noqa: E402
+from helpers import FAKE_CONNECTOR_FILES, build_wheel  # noqa: E402
 
 
 @pytest.fixture

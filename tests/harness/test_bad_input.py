@@ -10,7 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from fakes import build_project
+
+from helpers import build_project, one_line_error, run_nox
+
+pytestmark = pytest.mark.slow  # drives real nox and the kvcompat command in subprocesses; one asks the real index
 
 SUITE = """
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
@@ -26,22 +29,7 @@ def project(tmp_path):
 
 
 def nox(root, *args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=600,
-    )
-
-
-def one_line_error(proc) -> str:
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("kvcompat: error: ")]
-    assert len(errors) == 1, proc.stderr
-    return errors[0]
+    return run_nox(root, *args, env=env)
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,10 @@ from packaging.version import Version
 
 from kvcompat import bisection as bis
 from kvcompat import options
-from kvcompat.cells import Cell
 from kvcompat.options import OptionError
-from kvcompat.outcomes import Outcome, TestOutcome
-from kvcompat.results import CellResult, TestResult
+from kvcompat.outcomes import Outcome
+
+from helpers import make_result
 
 VERSIONS = [f"0.{m}.0" for m in range(14, 34)]  # 20 releases
 
@@ -69,12 +69,7 @@ def test_releases_between():
 
 
 def cell_result(outcome, tests):
-    return CellResult(
-        cell=Cell(vllm="0.30.0", torch="2.13.0").to_json(),
-        outcome=outcome,
-        detail="d",
-        tests=[TestResult(n, TestOutcome(o), 0.1, m) for n, o, m in tests],
-    )
+    return make_result(outcome=outcome, tests=tests, detail="d", prefix="")
 
 
 def test_verdicts():

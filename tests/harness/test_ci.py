@@ -1,30 +1,22 @@
 """Generated CI pipelines parse, and their jobs come from `nox -l --json` with cpu/gpu placement."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
+import pytest
 import yaml
 
 from kvcompat import ci
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers import REPO, run_nox
 
 
 def listing(tmp_path):
     (tmp_path / "m.toml").write_text(
         '[matrix]\nmixed = [{ vllm = "0.33.0", torch = "2.14.0" }, { vllm = "0.32.0", torch = "2.13.0", runner = "gpu" }]\n'
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "nox", "-f", str(REPO / "noxfile.py"), "-l", "--json"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "KVCOMPAT_MATRIX": f"{tmp_path / 'm.toml'}:mixed"},
-        cwd=REPO,
-        timeout=120,
-    )
+    proc = run_nox(REPO, "-l", "--json", env={"KVCOMPAT_MATRIX": f"{tmp_path / 'm.toml'}:mixed"}, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -47,6 +39,7 @@ def test_github_workflow(tmp_path):
     assert "nox -l --json" in wf["jobs"]["list"]["steps"][-1]["run"]
 
 
+@pytest.mark.slow  # real nox listing, which asks the index for torch pins
 def test_github_matrix_from_nox_listing(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "kvcompat.ci", "github-matrix"],

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from kvcompat.cells import Cell
-from kvcompat.outcomes import Outcome, TestOutcome
+from kvcompat.outcomes import Outcome
 from kvcompat.report.model import build_report
 from kvcompat.report.write import write_reports
-from kvcompat.results import CellResult, TestResult, write_result
+from kvcompat.results import write_result
+
+from helpers import make_result
+
+pytestmark = pytest.mark.slow  # drives headless Chromium
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = [
@@ -41,11 +44,11 @@ def report(tmp_path) -> Path:
     results = tmp_path / "results"
 
     def cell(vllm, torch, outcome, tests, **kw):
-        return CellResult(
-            cell=Cell(vllm=vllm, torch=torch).to_json(),
-            outcome=outcome,
-            detail=kw.pop("detail", ""),
-            tests=[TestResult(f"tests/connectors/test_multi.py::{n}", TestOutcome(o), 0.4, m) for n, o, m in tests],
+        return make_result(
+            vllm,
+            torch,
+            outcome,
+            tests,
             versions={"vllm": vllm, "torch": torch, "transformers": "5.20.2"},
             python="3.11.7",
             phases={"resolve": 2.1, "install": 30.0, "import": 18.0, "test": 40.0},

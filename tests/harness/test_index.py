@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from packaging.version import Version
 
 from kvcompat import index, simple_api
+
+from helpers import FakeIndex
 
 FILES = [
     ("vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", False),
@@ -19,25 +19,9 @@ FILES = [
 ]
 
 
-class FakeIndex:
-    def __init__(self, html: bool) -> None:
-        self.html = html
-        self.urls: list[str] = []
-
-    def __call__(self, url: str, *, accept: str | None = None, **_) -> bytes:
-        self.urls.append(url)
-        if self.html:
-            return "".join(
-                f'<a href="../../f/{n}#sha256=00"{" data-yanked" if y else ""}>{n}</a>' for n, y in FILES
-            ).encode()
-        return json.dumps(
-            {"files": [{"filename": n, "url": f"../../f/{n}", "hashes": {}, "yanked": y} for n, y in FILES]}
-        ).encode()
-
-
 @pytest.mark.parametrize("html", [False, True], ids=["pep691-json", "pep503-html"])
 def test_releases_from_the_simple_api(tmp_path, monkeypatch, html):
-    fake = FakeIndex(html)
+    fake = FakeIndex([(name, None, yanked) for name, yanked in FILES], html=html)
     monkeypatch.setattr(simple_api, "http_get", fake)
     url = "https://idx.example/simple"
     assert index.list_versions("vllm", cache_root=tmp_path, index_url=url) == [Version("0.32.0"), Version("0.33.0")]

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers import REPO
+
 SRC = REPO / "src"
 SHARED = {"kvcompat", "kvcompat.outcomes", "kvcompat.atomic"}  # the vocabulary both worlds use (stdlib only)
 

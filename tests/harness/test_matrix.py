@@ -8,7 +8,7 @@ from packaging.version import Version
 
 from kvcompat.matrix import Entry, MatrixError, load_matrix, parse_entry
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers import REPO
 
 
 def write(tmp_path, text, name="matrix.toml"):

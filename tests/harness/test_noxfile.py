@@ -1,23 +1,16 @@
 """The noxfile as the front door: cells listed as sessions, bad matrices rejected in one line."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+import pytest
+
+from helpers import REPO, run_nox
+
+pytestmark = pytest.mark.slow  # lists sessions with real nox; resolving 0.33.0's torch pin asks the real index
 
 
 def nox(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "nox", "-f", str(REPO / "noxfile.py"), *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-        timeout=300,
-    )
+    return run_nox(REPO, *args, env=env, timeout=300)
 
 
 def test_list_json_has_one_session_per_cell(tmp_path):

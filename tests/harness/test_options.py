@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvcompat import options, sessions
 from kvcompat.options import OptionError
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers import REPO
 
 
 def test_environment_fills_what_the_command_line_leaves_out():

@@ -4,37 +4,17 @@ import json
 import xml.etree.ElementTree as ET
 
 from kvcompat import options
-from kvcompat.cells import Cell
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report.junit import render_junit
 from kvcompat.report.markdown import render_markdown
 from kvcompat.report.model import build_report
 from kvcompat.report.terminal import render_terminal
 from kvcompat.report.write import write_reports
-from kvcompat.results import CellResult, TestResult, write_result
+from kvcompat.results import TestResult, write_result
 
+from helpers import make_result
 
-def result(
-    vllm,
-    torch,
-    outcome,
-    tests=(),
-    detail="",
-    finished="2026-12-02T10:00:00+00:00",
-    suite="ours",
-    suites=None,
-    **cell_kw,
-):
-    cell = Cell(vllm=vllm, torch=torch, **cell_kw)
-    return CellResult(
-        cell=cell.to_json(),
-        outcome=outcome,
-        detail=detail,
-        finished=finished,
-        tests=[TestResult(f"tests/connectors/test_multi.py::{n}", TestOutcome(o), 0.5, m, suite) for n, o, m in tests],
-        phases={"resolve": 1.0, "test": 2.0},
-        suites=suites or {},
-    )
+result = make_result
 
 
 def sample(tmp_path):

@@ -11,20 +11,21 @@ import multiprocessing as mp
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from fakes import build_project
 
 from kvcompat.atomic import write_atomic
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers import build_project, nox_command
+
+pytestmark = pytest.mark.slow  # drives real nox runs that build venvs with uv
 
 SUITE = """
 import os, time
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
+
 
 def test_first_wins():
     hang_in = os.environ.get("KVCOMPAT_TEST_HANG_VERSION", "0.0.1")
@@ -49,7 +50,7 @@ def _sigint_default() -> None:
 
 def nox(root, *args, env=None, stdout=subprocess.PIPE):
     return subprocess.Popen(
-        [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args],
+        nox_command(root, *args),
         cwd=root,
         stdout=stdout,
         stderr=subprocess.STDOUT,

@@ -19,7 +19,9 @@ from kvcompat.run.install import DiskFullError
 from kvcompat.run.options import RunOptions
 from kvcompat.run.workflow import run_cell
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers import REPO
+
+pytestmark = pytest.mark.slow  # builds venvs with uv
 
 PASSING = """
 from kvcompat.testkit import probes
@@ -154,6 +156,7 @@ def test_hanging_test_times_out_and_its_process_group_dies(tmp_path, fake_wheel,
     suite = make_suite(
         test_hang=f"""
 import subprocess, sys, time
+
 def test_hang():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open({str(pidfile)!r}, "w").write(str(child.pid))

@@ -21,7 +21,7 @@ import pytest
 from kvcompat import simple_api, upstream
 from kvcompat.upstream import UNIT
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers import REPO, FakeIndex
 
 # A miniature vLLM source tree: the shapes that matter for the closure.
 FAKE_TREE = {
@@ -186,39 +186,15 @@ def test_relative_imports_resolve_against_the_package():
 # --- download ------------------------------------------------------------------------
 
 
-class FakeIndex:
-    """Stands in for ``simple_api.http_get``: a simple-API page plus file bodies."""
-
-    def __init__(self, sdist: Path, *, html: bool = False, sha: str | None = None) -> None:
-        self.body = sdist.read_bytes()
-        self.sha = sha or hashlib.sha256(self.body).hexdigest()
-        self.html = html
-        self.name = sdist.name
-        self.calls: list[tuple[str, str | None]] = []
-
-    def __call__(self, url: str, *, accept: str | None = None, timeout: float = 0, attempts: int = 2) -> bytes:
-        self.calls.append((url, accept))
-        if url == "https://idx.example/simple/vllm/":
-            other = {
-                "filename": "vllm-9.9.9-cp38-abi3-manylinux_2_28_x86_64.whl",
-                "url": "../../files/w.whl",
-                "hashes": {},
-            }
-            mine = {"filename": self.name, "url": f"../../files/{self.name}", "hashes": {"sha256": self.sha}}
-            if self.html:
-                return (
-                    f'<html><body><a href="../../files/w.whl">w</a>'
-                    f'<a href="../../files/{self.name}#sha256={self.sha}">{self.name}</a></body></html>'
-                ).encode()
-            return json.dumps({"meta": {"api-version": "1.1"}, "name": "vllm", "files": [other, mine]}).encode()
-        if url == f"https://idx.example/files/{self.name}":
-            return self.body
-        raise OSError(f"404 {url}")
+def sdist_index(sdist: Path, **kw) -> FakeIndex:
+    """An index holding a wheel (never downloaded) and ``sdist``."""
+    wheel = "vllm-9.9.9-cp38-abi3-manylinux_2_28_x86_64.whl"
+    return FakeIndex([(wheel, None, False), (sdist.name, sdist.read_bytes(), False)], **kw)
 
 
 @pytest.mark.parametrize("html", [False, True], ids=["pep691-json", "pep503-html"])
 def test_fetch_downloads_the_sdist_from_the_simple_api(tmp_path, sdist, monkeypatch, html):
-    index = FakeIndex(sdist, html=html)
+    index = sdist_index(sdist, html=html)
     monkeypatch.setattr(simple_api, "http_get", index)
     root = upstream.fetch_tests("9.9.9", tmp_path / "cache", index_url="https://idx.example/simple/")
     assert upstream.manifest(root)["sdist"] == "vllm-9.9.9.tar.gz"
@@ -231,21 +207,21 @@ def test_fetch_downloads_the_sdist_from_the_simple_api(tmp_path, sdist, monkeypa
 
 
 def test_sdist_comes_from_the_index_given(tmp_path, sdist, monkeypatch):
-    monkeypatch.setattr(simple_api, "http_get", FakeIndex(sdist))
+    monkeypatch.setattr(simple_api, "http_get", sdist_index(sdist))
     assert (
         upstream.sdist_link("9.9.9", "https://idx.example/simple")[0] == "https://idx.example/files/vllm-9.9.9.tar.gz"
     )
 
 
 def test_hash_mismatch_is_refused(tmp_path, sdist, monkeypatch):
-    monkeypatch.setattr(simple_api, "http_get", FakeIndex(sdist, sha="0" * 64))
+    monkeypatch.setattr(simple_api, "http_get", sdist_index(sdist, sha="0" * 64))
     with pytest.raises(upstream.UpstreamError, match="sha256 mismatch"):
         upstream.fetch_tests("9.9.9", tmp_path / "cache", index_url="https://idx.example/simple")
     assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_release_without_sdist(tmp_path, sdist, monkeypatch):
-    monkeypatch.setattr(simple_api, "http_get", FakeIndex(sdist))
+    monkeypatch.setattr(simple_api, "http_get", sdist_index(sdist))
     with pytest.raises(upstream.UpstreamError, match="no sdist vllm-0.15.1.tar.gz"):
         upstream.fetch_tests("0.15.1", tmp_path / "cache", index_url="https://idx.example/simple")
 
@@ -303,7 +279,7 @@ def test_hf_cache_resolves_offline_with_huggingface_hub_when_installed(tmp_path)
 
 
 def test_prepare_and_run_the_suite_as_the_runner_will(tmp_path, sdist, monkeypatch):
-    monkeypatch.setattr(simple_api, "http_get", FakeIndex(sdist))
+    monkeypatch.setattr(simple_api, "http_get", sdist_index(sdist))
     suite = upstream.prepare("9.9.9", tmp_path / "cache", index_url="https://idx.example/simple")
     assert suite.rootdir == (tmp_path / "cache" / "9.9.9").resolve()
     assert suite.path == suite.rootdir / UNIT

@@ -1,0 +1,206 @@
+"""Helpers shared by the harness tests: fake vLLM wheels and projects, the front doors, results, an index."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from kvcompat.cells import Cell
+from kvcompat.outcomes import Outcome, TestOutcome
+from kvcompat.results import CellResult, TestResult
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build_wheel(
+    folder: Path, files: dict[str, str], *, name: str = "vllm", version: str = "0.0.1", requires: list[str] = ()
+) -> Path:
+    """Write a minimal valid wheel of ``name`` containing ``files`` (path -> source)."""
+    dist_info = f"{name.replace('-', '_')}-{version}.dist-info"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires
+    )
+    entries = {
+        **files,
+        f"{dist_info}/METADATA": meta,
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: kvcompat-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record_lines = []
+    for path, text in entries.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record_lines.append(f"{path},sha256={digest},{len(text.encode())}")
+    record_lines.append(f"{dist_info}/RECORD,,")
+    wheel = folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, text in entries.items():
+            zf.writestr(path, text)
+        zf.writestr(f"{dist_info}/RECORD", "\n".join(record_lines) + "\n")
+    return wheel
+
+
+FAKE_CONNECTOR_FILES = {
+    "vllm/__init__.py": "__version__ = '0.0.1'\n",
+    "vllm/distributed/__init__.py": "",
+    "vllm/distributed/kv_transfer/__init__.py": "",
+    "vllm/distributed/kv_transfer/kv_connector/__init__.py": "",
+    "vllm/distributed/kv_transfer/kv_connector/v1/__init__.py": "",
+    "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py": "def first_wins(children):\n    return next(i for i, c in enumerate(children) if c)\n",
+}
+
+
+def build_project(root: Path, suite: str, versions: tuple[str, ...] = ("0.0.1", "0.0.2")) -> Path:
+    """A throwaway kvcompat project: our noxfile and src, ``suite`` as tests/connectors, and a
+    default matrix of fake vLLM wheels (one folder per version, all also in wheels/house)."""
+    import shutil
+
+    repo = REPO
+    (root / "tests" / "connectors").mkdir(parents=True)
+    (root / "constraints").mkdir()
+    shutil.copy(repo / "noxfile.py", root / "noxfile.py")
+    (root / "src").symlink_to(repo / "src")
+    (root / "tests" / "connectors" / "test_suite.py").write_text(suite)
+    house = root / "wheels" / "house"
+    house.mkdir(parents=True)
+    wheels = []
+    for v in versions:
+        files = {**FAKE_CONNECTOR_FILES, "vllm/__init__.py": f"__version__ = {v!r}\n"}
+        folder = root / "wheels" / v
+        folder.mkdir(parents=True)
+        wheels.append(build_wheel(folder, files, version=v))
+        shutil.copy(wheels[-1], house / wheels[-1].name)
+    entries = ", ".join(f'{{ vllm = "wheels/{w.parent.name}/{w.name}" }}' for w in wheels)
+    (root / "pyproject.toml").write_text(f"[tool.kvcompat.matrix]\ndefault = [{entries}]\n")
+    return root
+
+
+# -- running the front doors ---------------------------------------------------------------
+
+
+def nox_command(root: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "nox", "-f", str(root / "noxfile.py"), *args]
+
+
+def run_nox(root: Path, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run real nox on the project at ``root`` and wait for it."""
+    return subprocess.run(
+        nox_command(root, *args),
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """The contract for bad input: exit status 2, no traceback, exactly one ``kvcompat: error:`` line."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("kvcompat: error: ")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+# -- results -----------------------------------------------------------------------------------
+
+
+def make_result(
+    vllm: str = "0.30.0",
+    torch: str = "2.13.0",
+    outcome: Outcome = Outcome.PASS,
+    tests=(),
+    detail: str = "",
+    *,
+    suite: str = "ours",
+    prefix: str = "tests/connectors/test_multi.py::",
+    **kw,
+) -> CellResult:
+    """A CellResult as a cell run writes it; ``tests`` are (name, outcome, message) triples.
+
+    Keywords naming a CellResult field (detail, finished, suites, versions, …) set it; the rest go to the Cell.
+    """
+    fields = {f.name for f in dataclasses.fields(CellResult)}
+    given = {k: v for k, v in kw.items() if k in fields}
+    cell_kw = {k: v for k, v in kw.items() if k not in fields}
+    result = {
+        "detail": detail,
+        "finished": "2026-12-02T10:00:00+00:00",
+        "phases": {"resolve": 1.0, "test": 2.0},
+        **given,
+    }
+    return CellResult(
+        cell=Cell(vllm=vllm, torch=torch, **cell_kw).to_json(),
+        outcome=outcome,
+        tests=[TestResult(f"{prefix}{n}", TestOutcome(o), 0.5, m, suite) for n, o, m in tests],
+        **result,
+    )
+
+
+# -- a package index -----------------------------------------------------------------------------
+
+
+class FakeIndex:
+    """Stands in for ``simple_api.http_get``: one project's simple-API page (PEP 691 JSON or PEP 503
+    HTML) under ``base``, and the bodies of its files under ``<host>/files/``.
+
+    ``files`` are (filename, body or None, yanked); a ``sha`` given replaces every file's real hash.
+    """
+
+    def __init__(
+        self,
+        files,
+        *,
+        project: str = "vllm",
+        html: bool = False,
+        sha: str | None = None,
+        base: str = "https://idx.example/simple",
+    ) -> None:
+        self.files = [(name, body, yanked) for name, body, yanked in files]
+        self.project, self.html, self.sha, self.base = project, html, sha, base.rstrip("/")
+        self.calls: list[tuple[str, str | None]] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [url for url, _ in self.calls]
+
+    def file_url(self, name: str) -> str:
+        return self.base.rsplit("/", 1)[0] + f"/files/{name}"
+
+    def _hash(self, body: bytes | None) -> str | None:
+        return self.sha or (hashlib.sha256(body).hexdigest() if body is not None else None)
+
+    def __call__(self, url: str, *, accept: str | None = None, **_) -> bytes:
+        self.calls.append((url, accept))
+        if url == f"{self.base}/{self.project}/":
+            if self.html:
+                return "".join(
+                    f'<a href="../../files/{n}{"#sha256=" + h if (h := self._hash(b)) else ""}"'
+                    f"{' data-yanked' if y else ''}>{n}</a>"
+                    for n, b, y in self.files
+                ).encode()
+            return json.dumps(
+                {
+                    "meta": {"api-version": "1.1"},
+                    "name": self.project,
+                    "files": [
+                        {
+                            "filename": n,
+                            "url": f"../../files/{n}",
+                            "hashes": {"sha256": h} if (h := self._hash(b)) else {},
+                            "yanked": y,
+                        }
+                        for n, b, y in self.files
+                    ],
+                }
+            ).encode()
+        for name, body, _ in self.files:
+            if url == self.file_url(name) and body is not None:
+                return body
+        raise OSError(f"404 {url}")
