@@ -117,11 +117,8 @@ def _ident(text: str) -> str:
 
 
 def minor(version: str) -> str:
-    """``0.33.0`` -> ``0.33``; anything unparsable is returned whole."""
-    try:
-        v = Version(version)
-    except Exception:
-        return version
+    """``0.33.0`` -> ``0.33``."""
+    v = Version(version)
     return f"{v.major}.{v.minor}"
 
 
@@ -189,7 +186,7 @@ def resolve_cells(
                         merged = tuple(dict.fromkeys(cells[cell.id].suites + cell.suites))
                         cell = dataclasses.replace(cells[cell.id], suites=merged)
                     cells[cell.id] = cell
-    return sorted(cells.values(), key=lambda c: (_sort_key(c.vllm), c.dist, c.torch, c.nixl), reverse=True)
+    return sorted(cells.values(), key=lambda c: (Version(c.vllm), c.dist, c.torch, c.nixl), reverse=True)
 
 
 def load_cells(root: Path, matrix: str, *, index_url: str, find_links: tuple[str, ...] = ()) -> list[Cell]:
@@ -202,13 +199,6 @@ def load_cells(root: Path, matrix: str, *, index_url: str, find_links: tuple[str
         index_url=index_url,
         find_links=find_links,
     )
-
-
-def _sort_key(version: str) -> Version:
-    try:
-        return Version(version)
-    except Exception:
-        return Version("0")
 
 
 def _pinned_torch(cell: Cell, constraints_dir: Path, cache_root: Path, find_links: tuple[str, ...]) -> str | None:

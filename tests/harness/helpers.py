@@ -55,9 +55,15 @@ FAKE_CONNECTOR_FILES = {
 }
 
 
-def build_project(root: Path, suite: str, versions: tuple[str, ...] = ("0.0.1", "0.0.2")) -> Path:
+def build_project(
+    root: Path,
+    suite: str,
+    versions: tuple[str, ...] = ("0.0.1", "0.0.2"),
+    files: dict[str, dict[str, str]] | None = None,
+) -> Path:
     """A throwaway kvcompat project: our noxfile and src, ``suite`` as tests/connectors, and a
-    default matrix of fake vLLM wheels (one folder per version, all also in wheels/house)."""
+    default matrix of fake vLLM wheels (one folder per version, all also in wheels/house).
+    ``files`` replaces files of some versions' wheels: {version: {path: source}}."""
     import shutil
 
     repo = REPO
@@ -70,10 +76,10 @@ def build_project(root: Path, suite: str, versions: tuple[str, ...] = ("0.0.1", 
     house.mkdir(parents=True)
     wheels = []
     for v in versions:
-        files = {**FAKE_CONNECTOR_FILES, "vllm/__init__.py": f"__version__ = {v!r}\n"}
+        wheel_files = {**FAKE_CONNECTOR_FILES, "vllm/__init__.py": f"__version__ = {v!r}\n", **(files or {}).get(v, {})}
         folder = root / "wheels" / v
         folder.mkdir(parents=True)
-        wheels.append(build_wheel(folder, files, version=v))
+        wheels.append(build_wheel(folder, wheel_files, version=v))
         shutil.copy(wheels[-1], house / wheels[-1].name)
     entries = ", ".join(f'{{ vllm = "wheels/{w.parent.name}/{w.name}" }}' for w in wheels)
     (root / "pyproject.toml").write_text(f"[tool.kvcompat.matrix]\ndefault = [{entries}]\n")

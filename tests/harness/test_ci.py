@@ -72,3 +72,8 @@ def test_unknown_engine(tmp_path):
 
     with pytest.raises(ci.PipelineError, match="unknown CI engine 'jenkins'"):
         ci.write("jenkins", tmp_path)
+
+
+def test_module_entry_point_rejects_unknown_commands(capsys):
+    assert ci.main(["jenkins-steps"]) == 2
+    assert capsys.readouterr().err.startswith("kvcompat: error: unknown command 'jenkins-steps'")

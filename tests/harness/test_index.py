@@ -41,3 +41,20 @@ def test_unreachable_index_is_one_line(tmp_path, monkeypatch):
         "cannot list vllm versions on http://127.0.0.1:9/simple ([Errno 111] Connection refused); "
         "check the network or --index-url / $UV_DEFAULT_INDEX"
     )
+
+
+def test_download_wheel_takes_this_platforms_file_and_checks_its_hash(tmp_path, monkeypatch):
+    body = b"PK-fake-wheel"
+    files = [
+        ("vllm-0.33.0-cp38-abi3-manylinux_2_28_aarch64.whl", b"wrong platform", False),
+        ("vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl", body, False),
+        ("vllm-0.33.0.tar.gz", b"sdist", False),
+    ]
+    monkeypatch.setattr(simple_api, "http_get", FakeIndex(files))
+    path = index.download_wheel("vllm", "0.33.0", tmp_path, "https://idx.example/simple")
+    assert path.name == "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl" and path.read_bytes() == body
+    monkeypatch.setattr(simple_api, "http_get", FakeIndex(files, sha="0" * 64))
+    with pytest.raises(RuntimeError, match="sha256 mismatch"):
+        index.download_wheel("vllm", "0.33.0", tmp_path / "again", "https://idx.example/simple")
+    with pytest.raises(RuntimeError, match="has no vllm 0.32.0 wheel for this platform"):
+        index.download_wheel("vllm", "0.32.0", tmp_path, "https://idx.example/simple")

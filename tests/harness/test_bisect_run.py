@@ -1,0 +1,49 @@
+"""Bisect end to end: real nox and the kvcompat command over a wheelhouse of fake releases."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import build_project, run_nox
+
+pytestmark = pytest.mark.slow  # each step builds a cell venv with uv
+
+SUITE = """
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
+
+def test_first_wins():
+    assert first_wins([0, 3, 5]) == 1
+"""
+MULTI = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"
+BROKEN = "def first_wins(children):\n    return len(children) - 1  # a refactor lost the scan\n"
+
+
+def test_bisect_names_the_first_bad_release_and_the_changed_connector_file(tmp_path):
+    versions = ("0.0.1", "0.0.2", "0.0.3", "0.0.4")
+    project = build_project(tmp_path / "proj", SUITE, versions, files={v: {MULTI: BROKEN} for v in versions[2:]})
+    args = ("--test", "test_first_wins", "--good", "0.0.1", "--bad", "0.0.4", "--wheelhouse", "wheels/house")
+    proc = run_nox(project, "-s", "bisect", "--", *args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "last good: 0.0.2" in out and "first bad: 0.0.3" in out, out
+    assert "cells evaluated: 4" in out and "[4/≤4]" in out  # both ends, then two steps: ceil(log2 4) + 2
+    assert f"modified +1     -1     {MULTI}" in out
+    assert (
+        "resume with: nox -s bisect -- --test test_first_wins --good 0.0.2 --bad 0.0.3 --wheelhouse wheels/house" in out
+    )
+
+    # The kvcompat command runs the same engine, over the same cells: answered from their results.
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvcompat.cli", "bisect", *args],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(project / "src")},
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert "first bad: 0.0.3" in cli.stdout and cli.stdout.count("unchanged (lock, suite and Python match") == 4

@@ -1,0 +1,85 @@
+"""The fake NIXL agent behaves as its docstring says real NIXL 1.5 does on CPU (what vLLM's worker relies on)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcompat.testkit.fake_nixl import FakeDescList, FakeNixlWrapper
+
+
+@pytest.fixture
+def agents():
+    FakeNixlWrapper.reset()
+    yield FakeNixlWrapper("decode", None), FakeNixlWrapper("prefill", None)
+    FakeNixlWrapper.polls_until_done = 1
+    FakeNixlWrapper.reset()
+
+
+def test_instances_are_kept_and_calls_recorded(agents):
+    d, p = agents
+    assert FakeNixlWrapper.instances == [d, p]
+    d.get_plugin_list()
+    assert [c.name for c in d.calls] == ["__init__", "get_plugin_list"]
+    assert d.calls_named("__init__")[0].args == ("decode", None)
+
+
+def test_remote_agents_are_named_in_bytes(agents):
+    d, p = agents
+    name = d.add_remote_agent(p.get_agent_metadata())
+    assert name == b"prefill" and isinstance(name, bytes)
+    assert d.check_remote_metadata("prefill") and d.check_remote_metadata(b"prefill")
+    d.remove_remote_agent(b"prefill")
+    assert not d.check_remote_metadata("prefill")
+
+
+def test_registration_round_trip(agents):
+    d, _ = agents
+    descs = d.get_reg_descs([(0, 4096, 0, "")], "DRAM")
+    assert isinstance(descs, FakeDescList) and len(descs) == 1 and descs.mem_type == "DRAM"
+    d.register_memory(descs)
+    assert d.registered == [descs]
+    d.deregister_memory(descs)
+    assert d.registered == []
+
+
+def test_a_transfer_is_in_progress_until_polled(agents):
+    d, _ = agents
+    local = d.prep_xfer_dlist("NIXL_INIT_AGENT", [(0, 64, 0)] * 4, "DRAM")
+    remote = d.prep_xfer_dlist(b"prefill", [(0, 64, 0)] * 4, "DRAM")
+    h = d.make_prepped_xfer("READ", local, [0, 1], remote, [2, 3], b"req-1")
+    assert d.transfer(h) == "PROC"  # never DONE inside transfer()
+    assert d.check_xfer_state(h) == "DONE"
+    assert d.get_xfer_telemetry(h).descCount == 2
+    d.release_xfer_handle(h)
+    with pytest.raises(ValueError, match="unknown xfer handle"):
+        d.release_xfer_handle(h)
+    d.release_dlist_handle(local)
+    with pytest.raises(ValueError, match="unknown dlist handle"):
+        d.release_dlist_handle(local)
+    with pytest.raises(ValueError, match="unknown dlist handle"):
+        d.make_prepped_xfer("READ", local, [0], remote, [0])
+
+
+def test_slow_transfers_take_more_polls(agents):
+    d, _ = agents
+    FakeNixlWrapper.polls_until_done = 3
+    h = d.initialize_xfer("WRITE", [], [], "prefill", b"x")
+    d.transfer(h)
+    assert [d.check_xfer_state(h) for _ in range(3)] == ["PROC", "PROC", "DONE"]
+
+
+def test_notifications_drain_and_answer_remote_done(agents):
+    d, _ = agents
+    d.inject_notif("prefill", b"req-1:done")
+    assert d.check_remote_xfer_done("prefill", b"req-1")
+    assert d.get_new_notifs() == {"prefill": [b"req-1:done"]}
+    assert d.get_new_notifs() == {}  # drained
+    assert not d.check_remote_xfer_done("prefill", b"req-1")
+    d.send_notif(b"prefill", b"hello")
+    assert d.calls_named("send_notif")[0].args == (b"prefill", b"hello")
+
+
+def test_backends(agents):
+    d, _ = agents
+    assert d.get_backend_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
+    assert d.create_backend("UCX", {}) == "UCX" and d.backends == ["UCX", "UCX"]
