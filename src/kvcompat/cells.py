@@ -42,6 +42,8 @@ class Cell:
     # Suites run in the cell's one venv: "ours" (tests/connectors), "upstream" (vLLM's own tests).
     # Not part of the id: adding a suite to a cell keeps its venv and result file.
     suites: tuple[str, ...] = ("ours",)
+    # Requirements that replace what the vLLM wheel pins (uv --override), e.g. a pin the index lacks.
+    overrides: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -53,6 +55,8 @@ class Cell:
             parts[0] += "-wheel"
         if self.nixl != NIXL_FAKE:
             parts.append(f"nixl-{self.nixl}")
+        if self.overrides:
+            parts.append("override-" + "+".join(o.replace("==", "-") for o in self.overrides))
         return re.sub(r"[^A-Za-z0-9._+-]", "_", "__".join(parts))
 
     @property
@@ -64,6 +68,8 @@ class Cell:
         parts = [f"vllm={vllm!r}", f"torch={self.torch!r}"]
         if self.nixl != NIXL_FAKE:
             parts.append(f"nixl={self.nixl!r}")
+        if self.overrides:
+            parts.append(f"overrides={' '.join(self.overrides)!r}")
         return ", ".join(parts)
 
     @property
@@ -78,7 +84,7 @@ class Cell:
             _ident(f"torch_{self.torch}"),
             *(f"suite-{s}" for s in self.suites),
         ]
-        if self.torch_override:
+        if self.torch_override or self.overrides:
             tags.append("override")
         if self.nixl != NIXL_FAKE:
             tags.append("real-nixl")
@@ -100,8 +106,9 @@ class Cell:
             reqs += UPSTREAM_TEST_REQUIREMENTS
         return reqs
 
-    def overrides(self) -> list[str]:
-        return [f"torch=={self.torch}"] if self.torch_override else []
+    def override_lines(self) -> list[str]:
+        """What ``uv pip compile --override`` gets: an explicit torch, and the entry's overrides."""
+        return ([f"torch=={self.torch}"] if self.torch_override else []) + list(self.overrides)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -177,6 +184,7 @@ def resolve_cells(
                         wheel=wheel,
                         runner=entry.runner,
                         suites=entry.suites,
+                        overrides=entry.overrides,
                     )
                     if torch == "pinned":
                         cell = dataclasses.replace(base, torch=pinned_torch(base) or "pinned")
@@ -206,6 +214,7 @@ def _pinned_torch(cell: Cell, constraints_dir: Path, cache_root: Path, find_link
         [cell.vllm_requirement],
         python=cell.python,
         constraints=constraints_for(cell.vllm, constraints_dir),
+        overrides=cell.override_lines(),
         find_links=find_links,
         cache_root=cache_root,
         timeout=120,

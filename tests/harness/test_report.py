@@ -107,6 +107,15 @@ def test_results_from_many_machines_merge_newest_wins(tmp_path):
     assert {(r.cell["vllm"], r.outcome) for r in rep.results} == {("0.33.0", Outcome.PASS), ("0.32.0", Outcome.PASS)}
 
 
+def test_override_cells_say_what_they_override(tmp_path):
+    write_result(
+        tmp_path,
+        result("0.34.0", "2.14.0", Outcome.PASS, [("t", "passed", None)], overrides=("flashinfer-python==0.7.4",)),
+    )
+    md = render_markdown(build_report([tmp_path]))
+    assert "| **0.34.0 (override flashinfer-python==0.7.4)** | 🟢 pass 1/1 |" in md
+
+
 def test_terminal_table_has_status_words(tmp_path):
     text = render_terminal(build_report([sample(tmp_path)]))
     assert "test fail 1/2" in text and "unresolvable" in text and "\033[" not in text

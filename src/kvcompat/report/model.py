@@ -43,7 +43,8 @@ class GridCell:
     def row(self) -> str:
         c = self.result.cell
         label = c["vllm"] if c["dist"] == "vllm" else f"{c['dist']} {c['vllm']}"
-        return label + (" (wheel)" if c.get("wheel") else "")
+        label += " (wheel)" if c.get("wheel") else ""
+        return label + (f" (override {' '.join(c['overrides'])})" if c.get("overrides") else "")
 
     @property
     def torch_label(self) -> str:

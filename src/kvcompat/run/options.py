@@ -25,6 +25,7 @@ class RunOptions:
     lock_ttl_s: float = 3600.0
     heartbeat_s: float = 30.0  # how often a long phase says it is still running
     find_links: tuple[str, ...] = ()  # extra wheel folders for uv (see index.resolve)
+    index_url: str = "https://pypi.org/simple"  # the index uv resolves against (for hints on unresolvable cells)
     upstream_index: str = "https://pypi.org/simple"  # where the upstream suite fetches vLLM's sdists
 
     @property

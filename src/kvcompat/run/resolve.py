@@ -11,13 +11,18 @@ import ast
 import dataclasses
 import hashlib
 import json
+import re
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
 
 from kvcompat import index
 from kvcompat.atomic import write_atomic
 from kvcompat.cells import Cell, constraints_for
+from kvcompat.errors import KvcompatError
 from kvcompat.outcomes import Outcome
 from kvcompat.results import CellResult, write_result
 from kvcompat.run import record
@@ -111,7 +116,7 @@ def resolve_lock(ctx: CellContext, *, offline: bool) -> index.Resolution:
         ctx.cell.requirements(),
         python=ctx.cell.python,
         constraints=constraints_for(ctx.cell.vllm, ctx.opts.repo / "constraints"),
-        overrides=ctx.cell.overrides(),
+        overrides=ctx.cell.override_lines(),
         find_links=ctx.opts.find_links,
         offline=offline,
     )
@@ -140,7 +145,13 @@ def phase(ctx: CellContext, cached: CellResult | None) -> Resolved | CellResult:
         resolved_at = time.time()
         ctx.files.append_log(res.lock or res.error)
     if res.unsatisfiable:
-        return record.finish(ctx, Outcome.UNRESOLVABLE, explain_resolution(res.error, ctx.cell.vllm_requirement))
+        detail = explain_resolution(res.error, ctx.cell.vllm_requirement)
+        hint = missing_pin_hint(
+            res.error,
+            ctx.cell,
+            lambda name: index.list_versions(name, cache_root=ctx.opts.repo, index_url=ctx.opts.index_url),
+        )
+        return record.finish(ctx, Outcome.UNRESOLVABLE, hint or detail)
     if not res.ok:  # a network failure is not a verdict on the release
         return record.finish(ctx, Outcome.INSTALL_ERROR, "could not resolve: " + root_cause(res.error))
     write_atomic(ctx.files.lock, res.lock)
@@ -160,6 +171,29 @@ def explain_resolution(error: str, requirement: str) -> str:
         if line.startswith("Because"):
             return line[:300]
     return lines[0][:300] if lines else f"{requirement} cannot be resolved"
+
+
+def missing_pin_hint(error: str, cell: Cell, versions_of: Callable[[str], list[Version]]) -> str | None:
+    """When uv says a pinned version does not exist: which pin, the nearest published versions, and
+    the override line that tests the release anyway (None when the error is about something else)."""
+    m = re.search(r"there is no version of ([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s,]+)", error)
+    if not m:
+        return None
+    name, pinned = m.group(1), m.group(2)
+    try:
+        wanted, known = Version(pinned), [v for v in versions_of(name) if not v.is_prerelease]
+    except (InvalidVersion, KvcompatError):
+        return None
+    below = [v for v in known if v < wanted][-1:]
+    above = [v for v in known if v > wanted][:1]
+    if not below and not above:
+        return None
+    nearest = ", ".join(str(v) for v in below + above)
+    suggestion = (above or below)[0]
+    return (
+        f"{name}=={pinned}, which {cell.vllm_requirement} pins, is not on the index (nearest published: {nearest}); "
+        f'to test this release anyway, add overrides = ["{name}=={suggestion}"] to its matrix entry'
+    )[:400]
 
 
 def root_cause(error: str) -> str:

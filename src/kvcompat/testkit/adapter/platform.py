@@ -25,6 +25,17 @@ def _target_device_env_selects_cpu() -> bool:
     return False
 
 
+def _cpu_platform_requires_triton() -> bool:
+    """Probe, without importing vLLM: does this release's CpuPlatform refuse x86 without Triton?
+
+    From 0.34.0 ``CpuPlatform.check_and_update_config`` raises "vLLM on x86 CPUs requires
+    Triton (triton-cpu)" when ``vllm.triton_utils.HAS_TRITON`` is False, and the official CUDA
+    wheel's Triton counts as usable only with exactly one active GPU driver.
+    """
+    path = probes.vllm_distribution().locate_file("vllm/platforms/cpu.py")
+    return "requires Triton (triton-cpu)" in Path(str(path)).read_text()
+
+
 def select_cpu_platform() -> str:
     """Select vLLM's own CpuPlatform for this process (construction only); return how.
 
@@ -36,6 +47,16 @@ def select_cpu_platform() -> str:
     Raises if the platform is not CpuPlatform afterwards, or if an already
     imported vLLM module holds another platform (it would keep using it).
     """
+    notes = []
+    if _cpu_platform_requires_triton() and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            # Construction only: the refusal guards running models on x86 CPUs, which the suite
+            # never does.  With no GPU visible (true here), vllm/triton_utils/importing.py takes
+            # the installed Triton as usable (its "distributed environment" branch).
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+            notes.append("CUDA_VISIBLE_DEVICES='' (the release's CpuPlatform requires Triton on x86)")
     if _target_device_env_selects_cpu():
         # Before vllm.envs / vllm.platforms are imported (some releases cache env reads).
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
@@ -57,4 +78,4 @@ def select_cpu_platform() -> str:
     )
     if stale:
         raise RuntimeError(f"{how}, but these modules already hold another platform: {', '.join(stale)}")
-    return how
+    return "; ".join([how, *notes])
