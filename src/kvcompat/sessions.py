@@ -111,9 +111,12 @@ def show(result: CellResult) -> str:
     from kvcompat.results import headline
 
     counts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in result.counts().items() if n)
+    env = result.environment
+    where = {"as-released": f"as released (index up to {env.get('exclude_newer')})", "today": "today's index"}
     lines = [
         f"{result.id}: {result.outcome.label.upper()}: {result.detail}",
         f"  finished {result.finished or '?'} · Python {result.python or '?'} · "
+        f"{where.get(env.get('mode', ''), 'environment not recorded')} · "
         + " · ".join(f"{k} {v:.1f}s" for k, v in result.phases.items()),
     ]
     if counts:
@@ -141,13 +144,14 @@ def list_cells(root: Path, cells: list[Cell]) -> str:
 
 def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) -> bis.BisectResult:
     """Find the first bad release between ``values.good`` and ``values.bad`` (bad input raises, one line)."""
+    env = values.env or ("today" if values.wheelhouse else "as-released")
     available = index.list_versions(
         values.dist, cache_root=root, index_url=values.index_url, wheelhouse=values.wheelhouse
     )
     versions = bis.releases_between(available, values.good, values.bad, pre=values.pre)
     budget = bis.cell_budget(len(versions))
     say(
-        f"bisecting {len(versions)} {values.dist} releases {versions[0]} .. {versions[-1]} for {values.test!r} "
+        f"bisecting ({env}) {len(versions)} {values.dist} releases {versions[0]} .. {versions[-1]} for {values.test!r} "
         f"(torch {values.torch}); at most {budget} cells"
     )
     opts = RunOptions(
@@ -163,7 +167,7 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
 
     def evaluate(version: str) -> bis.Step:
         spec = wheels.get(version) or Version(version)
-        entry = Entry(vllm=spec, dist=values.dist, torch=(values.torch,))
+        entry = Entry(vllm=spec, dist=values.dist, torch=(values.torch,), env=(env,))
         (cell,) = resolve_cells(
             [entry],
             constraints_dir=root / "constraints",

@@ -34,12 +34,18 @@ def http_get(url: str, *, accept: str | None = None, timeout: float = 120.0, att
 
 def project_files(base: str, project: str) -> list[dict]:
     """The files of ``project`` on the index at ``base``: dicts with filename, absolute url,
-    sha256 (or None) and yanked."""
+    sha256 (or None), yanked and upload_time (PEP 700's ``upload-time``; None from HTML pages)."""
     page_url = f"{base.rstrip('/')}/{project}/"
     page = http_get(page_url, accept="application/vnd.pypi.simple.v1+json, text/html;q=0.1")
     try:
         raw = [
-            (f["filename"], f["url"], (f.get("hashes") or {}).get("sha256"), bool(f.get("yanked")))
+            (
+                f["filename"],
+                f["url"],
+                (f.get("hashes") or {}).get("sha256"),
+                bool(f.get("yanked")),
+                f.get("upload-time"),
+            )
             for f in json.loads(page)["files"]
         ]
     except (ValueError, KeyError, TypeError):  # PEP 503 HTML: <a href="url#sha256=…" data-yanked>filename</a>
@@ -47,8 +53,14 @@ def project_files(base: str, project: str) -> list[dict]:
         for m in re.finditer(r'<a([^>]*)href=(["\'])([^"\']+)\2([^>]*)>', page.decode(errors="replace")):
             href, _, fragment = m.group(3).partition("#")
             sha = fragment.removeprefix("sha256=") if fragment.startswith("sha256=") else None
-            raw.append((href.rsplit("/", 1)[-1], href, sha, "data-yanked" in m.group(1) + m.group(4)))
+            raw.append((href.rsplit("/", 1)[-1], href, sha, "data-yanked" in m.group(1) + m.group(4), None))
     return [
-        {"filename": name, "url": urllib.request.urljoin(page_url, url).split("#")[0], "sha256": sha, "yanked": yanked}
-        for name, url, sha, yanked in raw
+        {
+            "filename": name,
+            "url": urllib.request.urljoin(page_url, url).split("#")[0],
+            "sha256": sha,
+            "yanked": yanked,
+            "upload_time": uploaded,
+        }
+        for name, url, sha, yanked, uploaded in raw
     ]

@@ -156,7 +156,7 @@ class FakeIndex:
     """Stands in for ``simple_api.http_get``: one project's simple-API page (PEP 691 JSON or PEP 503
     HTML) under ``base``, and the bodies of its files under ``<host>/files/``.
 
-    ``files`` are (filename, body or None, yanked); a ``sha`` given replaces every file's real hash.
+    ``files`` are (filename, body or None, yanked[, upload time]); a ``sha`` given replaces every file's hash.
     """
 
     def __init__(
@@ -168,7 +168,7 @@ class FakeIndex:
         sha: str | None = None,
         base: str = "https://idx.example/simple",
     ) -> None:
-        self.files = [(name, body, yanked) for name, body, yanked in files]
+        self.files = [(f[0], f[1], f[2], f[3] if len(f) > 3 else None) for f in files]
         self.project, self.html, self.sha, self.base = project, html, sha, base.rstrip("/")
         self.calls: list[tuple[str, str | None]] = []
 
@@ -189,7 +189,7 @@ class FakeIndex:
                 return "".join(
                     f'<a href="../../files/{n}{"#sha256=" + h if (h := self._hash(b)) else ""}"'
                     f"{' data-yanked' if y else ''}>{n}</a>"
-                    for n, b, y in self.files
+                    for n, b, y, _ in self.files
                 ).encode()
             return json.dumps(
                 {
@@ -201,12 +201,13 @@ class FakeIndex:
                             "url": f"../../files/{n}",
                             "hashes": {"sha256": h} if (h := self._hash(b)) else {},
                             "yanked": y,
+                            **({"upload-time": up} if up else {}),
                         }
-                        for n, b, y in self.files
+                        for n, b, y, up in self.files
                     ],
                 }
             ).encode()
-        for name, body, _ in self.files:
+        for name, body, _, _ in self.files:
             if url == self.file_url(name) and body is not None:
                 return body
         raise OSError(f"404 {url}")

@@ -1,5 +1,7 @@
 """Matrix entries -> cells: range expansion, torch pins and overrides, ids for nox and files."""
 
+import datetime as dt
+
 import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -11,6 +13,9 @@ INDEX = [Version(v) for v in ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", 
 PINS = {"0.30.0": "2.13.0", "0.31.0": "2.13.0", "0.32.0": "2.13.0", "0.33.0": "2.14.0"}
 
 
+UPLOADED = dt.datetime(2026, 11, 2, 10, 13, 18, tzinfo=dt.UTC)
+
+
 def cells_for(entries, tmp_path):
     return resolve_cells(
         entries,
@@ -18,7 +23,24 @@ def cells_for(entries, tmp_path):
         cache_root=tmp_path,
         available=lambda dist: INDEX,
         pinned_torch=lambda cell: PINS.get(cell.vllm),
+        uploaded=lambda dist, version: UPLOADED,
     )
+
+
+def test_as_released_and_today_are_two_cells_with_their_cutoff(tmp_path):
+    today, released = cells_for([Entry(vllm=Version("0.33.0"), env=("today", "as-released"))], tmp_path)
+    assert (today.env, today.exclude_newer, today.id) == ("today", None, "vllm-0.33.0__torch-2.14.0")
+    assert released.env == "as-released" and released.id == "vllm-0.33.0__torch-2.14.0__as-released"
+    assert released.exclude_newer == "2026-11-05T10:13:18Z"  # upload time + 3 days of grace
+    assert released.nox_id == "vllm='0.33.0', torch='2.14.0', env='as-released'"
+    assert "as-released" in released.tags and "today" in today.tags
+
+
+def test_a_local_wheel_cannot_be_as_released(tmp_path):
+    wheel = tmp_path / "vllm-0.34.1.dev3-cp38-abi3-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    with pytest.raises(MatrixError, match='is a local wheel with no release date; give its entry env = "today"'):
+        cells_for([Entry(vllm=wheel, env=("as-released",))], tmp_path)
 
 
 def test_range_expands_against_the_index_newest_first(tmp_path):

@@ -58,3 +58,46 @@ def test_download_wheel_takes_this_platforms_file_and_checks_its_hash(tmp_path, 
         index.download_wheel("vllm", "0.33.0", tmp_path / "again", "https://idx.example/simple")
     with pytest.raises(RuntimeError, match="has no vllm 0.32.0 wheel for this platform"):
         index.download_wheel("vllm", "0.32.0", tmp_path, "https://idx.example/simple")
+
+
+def test_release_upload_time_is_the_last_of_its_files_and_cached(tmp_path, monkeypatch):
+    files = [
+        ("vllm-0.22.1-cp38-abi3-manylinux_2_28_x86_64.whl", None, False, "2026-06-05T10:13:34.853316Z"),
+        ("vllm-0.22.1.tar.gz", None, False, "2026-06-05T10:12:16.046307Z"),
+        ("vllm-0.23.0.tar.gz", None, False, "2026-06-20T09:00:00Z"),
+    ]
+    fake = FakeIndex(files)
+    monkeypatch.setattr(simple_api, "http_get", fake)
+    url = "https://idx.example/simple"
+    when = index.release_uploaded("vllm", "0.22.1", cache_root=tmp_path, index_url=url)
+    assert when.isoformat() == "2026-06-05T10:13:34.853316+00:00"
+    assert index.release_uploaded("vllm", "0.22.1", cache_root=tmp_path, index_url=url) == when
+    assert len(fake.calls) == 1  # an upload time never changes: asked once
+
+
+def test_an_index_without_upload_times_says_which_env_to_use(tmp_path, monkeypatch):
+    monkeypatch.setattr(simple_api, "http_get", FakeIndex([("vllm-0.22.1.tar.gz", None, False)], html=True))
+    with pytest.raises(index.IndexUnavailable, match='gives no upload time for vllm 0.22.1 .*use env = "today"'):
+        index.release_uploaded("vllm", "0.22.1", cache_root=tmp_path, index_url="https://idx.example/simple")
+
+
+def test_resolve_hands_uv_the_index_and_the_cutoff_and_caches_by_both(tmp_path, monkeypatch):
+    import subprocess as sp
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return sp.CompletedProcess(cmd, 0, stdout="vllm==0.22.1\ntorch==2.11.0\n", stderr="")
+
+    monkeypatch.setattr(index.subprocess, "run", fake_run)
+    kw = dict(python="3.11", cache_root=tmp_path, index_url="https://idx.example/simple")
+    res = index.resolve(["vllm==0.22.1"], exclude_newer="2026-06-08T10:13:34Z", **kw)
+    assert res.pin("torch") == "2.11.0"
+    cmd = seen[0]
+    assert cmd[cmd.index("--exclude-newer") + 1] == "2026-06-08T10:13:34Z"
+    assert cmd[cmd.index("--default-index") + 1] == "https://idx.example/simple"
+    index.resolve(["vllm==0.22.1"], exclude_newer="2026-06-08T10:13:34Z", **kw)
+    assert len(seen) == 1  # the same cut-off: answered from the cache
+    index.resolve(["vllm==0.22.1"], exclude_newer="2026-06-09T00:00:00Z", **kw)
+    assert len(seen) == 2  # another cut-off is another lock

@@ -90,6 +90,11 @@ default = [
         ),
         ("[matrix]\ndefault = [{ vllm = '0.34.0', overrides = ['torch==2.13.0'] }]", 'use torch = "X.Y.Z" for torch'),
         ("[matrix]\ndefault = [{ vllm = '0.34.0', overrides = ['vllm==0.33.0'] }]", "is not allowed"),
+        (
+            "[matrix]\ndefault = [{ vllm = '0.34.0', env = 'yesterday' }]",
+            'env must be "today", "as-released" or a list',
+        ),
+        ("[matrix]\ndefault = [{ vllm = '0.34.0', env = [] }]", 'env must be "today", "as-released" or a list'),
     ],
 )
 def test_bad_definitions_give_one_line_errors(tmp_path, body, needle):

@@ -5,6 +5,7 @@ import xml.etree.ElementTree as ET
 
 from kvcompat import options
 from kvcompat.outcomes import Outcome, TestOutcome
+from kvcompat.report.drift import environment_pairs
 from kvcompat.report.junit import render_junit
 from kvcompat.report.markdown import render_markdown
 from kvcompat.report.model import build_report
@@ -201,3 +202,48 @@ def test_html_grid_and_drilldown_markup(tmp_path):
     assert 'id="d-vllm-0_32_0__torch-2_13_0__ours"' in html  # the drill-down panel the cell links to
     assert "load went to child 1" in html
     assert "http" not in html.replace("http-equiv", "")  # self-contained: no network references
+
+
+def test_ecosystem_drift_names_the_packages_that_moved_most_relevant_first(tmp_path):
+    base = {"vllm": "0.22.1", "torch": "2.11.0", "numpy": "2.1.0", "pytest": "9.0.1"}
+    old = result(
+        "0.22.1",
+        "2.11.0",
+        Outcome.PASS,
+        [("t", "passed", None)],
+        env="as-released",
+        exclude_newer="2026-06-08T10:13:34Z",
+        environment={"mode": "as-released", "exclude_newer": "2026-06-08T10:13:34Z"},
+        versions={**base, "transformers": "4.57.6", "nvidia-nccl-cu13": "2.27.0", "aiohttp": "3.11.0"},
+    )
+    new = result(
+        "0.22.1",
+        "2.11.0",
+        Outcome.TEST_FAIL,
+        [("t", "failed", "E boom")],
+        environment={"mode": "today", "exclude_newer": None},
+        versions={
+            **base,
+            "transformers": "5.10.2",
+            "nvidia-nccl-cu13": "2.28.1",
+            "aiohttp": "3.12.0",
+            "zipp": "3.23.0",
+        },
+    )
+    same = result("0.33.0", "2.14.0", Outcome.PASS, [("t", "passed", None)], env="as-released")
+    for r in (old, new, same, result("0.33.0", "2.14.0", Outcome.PASS, [("t", "passed", None)])):
+        write_result(tmp_path, r)
+    rep = build_report([tmp_path])
+    pairs = environment_pairs(rep)
+    assert sorted(p.drifted for p in pairs) == [False, True]
+    (d,) = [p for p in pairs if p.drifted]
+    assert [n for n, _, _ in d.changed] == ["transformers", "nvidia-nccl-cu13", "aiohttp", "zipp"]
+    md = render_markdown(rep)
+    assert "## As released and today" in md and "**0.33.0** (torch 2.14.0): same verdict" in md
+    assert (
+        "- **0.22.1** (torch 2.11.0): **ecosystem drift**: as released (index up to 2026-06-08T10:13:34Z) **pass**, "
+        "today **test fail**; 4 packages differ: transformers 4.57.6 → 5.10.2, nvidia-nccl-cu13 2.27.0 → 2.28.1, "
+        "aiohttp 3.11.0 → 3.12.0, zipp — → 3.23.0"
+    ) in md
+    # the same release in two environments: two rows (the torch 2.14.0 column is the 0.33.0 cells')
+    assert "| **0.22.1 (as released)** |  | 🟢 pass 1/1 |" in md and "| **0.22.1** |  | 🔴 test fail 0/1 |" in md

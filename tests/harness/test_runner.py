@@ -203,12 +203,10 @@ def test_install_network_error_is_retried_once(
     def sh(self, cmd, **kw):
         if "sync" in map(str, cmd):
             syncs.append(1)
-            if len(syncs) <= dead_attempts:
-                kw["env"] = {
-                    **(kw.get("env") or {}),
-                    "UV_NO_CACHE": "1",
-                    "UV_DEFAULT_INDEX": "http://127.0.0.1:9/simple",
-                }
+            if len(syncs) <= dead_attempts:  # the index goes away between resolve and install
+                cmd = [*cmd]
+                cmd[cmd.index("--default-index") + 1] = "http://127.0.0.1:9/simple"
+                kw["env"] = {**(kw.get("env") or {}), "UV_NO_CACHE": "1"}
         return real_sh(self, cmd, **kw)
 
     monkeypatch.setattr(CellContext, "sh", sh)
@@ -227,11 +225,11 @@ def test_index_outage_while_resolving_is_an_install_error_not_unresolvable(
     tmp_path, fake_wheel, make_suite, opts, monkeypatch
 ):
     """A dead index says nothing about the release: retried once, then install error with the cause."""
-    monkeypatch.setenv("UV_DEFAULT_INDEX", "http://127.0.0.1:9/simple")
     monkeypatch.setenv("UV_NO_CACHE", "1")
     monkeypatch.setenv("UV_HTTP_RETRIES", "0")
     lines: list[str] = []
-    result = run(wheel_cell(fake_wheel()), tmp_path, opts(make_suite(test_ok=PASSING)), lines)
+    options = opts(make_suite(test_ok=PASSING), index_url="http://127.0.0.1:9/simple")
+    result = run(wheel_cell(fake_wheel()), tmp_path, options, lines)
     assert result.outcome is Outcome.INSTALL_ERROR
     assert result.detail.startswith("could not resolve: Failed to fetch: http://127.0.0.1:9/simple/")
     assert "Connection refused" in result.detail

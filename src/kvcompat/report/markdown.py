@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvcompat.outcomes import Outcome, TestOutcome
+from kvcompat.report.drift import environment_pairs
 from kvcompat.report.model import Report, short_test
 from kvcompat.results import headline
 
@@ -44,6 +45,21 @@ def render_markdown(rep: Report) -> str:
             f"**{up.outcome.label}** ({up.text()})"
             for ours, up in disagreements
         ] + [""]
+
+    pairs = environment_pairs(rep)
+    if pairs:
+        out += ["## As released and today", "", "vLLM is the same in both cells; the packages around it are not.", ""]
+        for d in pairs:
+            old, new = d.as_released, d.today
+            cutoff = (old.result.environment or {}).get("exclude_newer") or old.result.cell.get("exclude_newer")
+            changes = ", ".join(f"{n} {a or '—'} → {b or '—'}" for n, a, b in d.changed[:12])
+            more = f" and {len(d.changed) - 12} more" if len(d.changed) > 12 else ""
+            verdict = "**ecosystem drift**" if d.drifted else "same verdict"
+            out.append(
+                f"- **{new.result.cell['vllm']}** ({new.torch_label}): {verdict}: as released (index up to {cutoff}) "
+                f"**{old.outcome.label}**, today **{new.outcome.label}**; {len(d.changed)} packages differ: {changes}{more}"
+            )
+        out.append("")
 
     episodes = rep.episodes()
     if episodes:

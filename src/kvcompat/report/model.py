@@ -44,7 +44,8 @@ class GridCell:
         c = self.result.cell
         label = c["vllm"] if c["dist"] == "vllm" else f"{c['dist']} {c['vllm']}"
         label += " (wheel)" if c.get("wheel") else ""
-        return label + (f" (override {' '.join(c['overrides'])})" if c.get("overrides") else "")
+        label += f" (override {' '.join(c['overrides'])})" if c.get("overrides") else ""
+        return label + (" (as released)" if c.get("env") == "as-released" else "")
 
     @property
     def torch_label(self) -> str:
@@ -60,10 +61,10 @@ class GridCell:
 
     @property
     def lane(self) -> tuple:
-        """Cells comparable across releases: same dist, torch policy, NIXL and suite."""
+        """Cells comparable across releases: same dist, torch policy, environment, NIXL and suite."""
         c = self.result.cell
         torch = c["torch"] if c.get("torch_override") else "pinned"
-        return (c["dist"], torch, self.suite_label)
+        return (c["dist"], torch, c.get("env", "today"), self.suite_label)
 
     @property
     def key(self) -> str:
@@ -192,7 +193,7 @@ class Report:
         out = []
         for lane, cells in lanes.items():
             cells.sort(key=lambda gc: _version_key(gc.result.cell["vllm"]))
-            lane_name = " / ".join(x for x in lane if x != "vllm")
+            lane_name = " / ".join(x for x in lane if x not in ("vllm", "today"))  # the defaults go unsaid
             for test in sorted({t.nodeid for gc in cells for t in gc.tests}):
                 last_pass: str | None = None
                 open_ep: Episode | None = None

@@ -75,9 +75,13 @@ def _panel(rep: Report, gc: GridCell) -> str:
         f"<p>{escape(gc.detail or r.detail)}</p>",
     ]
     phases = ", ".join(f"{k} {v:.1f}s" for k, v in r.phases.items())
+    env = r.environment or {}
+    env_text = {"as-released": f"as released (index up to {env.get('exclude_newer')})", "today": "today's index"}.get(
+        env.get("mode", ""), "environment not recorded"
+    )
     parts.append(
         f'<p class="small">cell <code>{escape(r.id)}</code> · finished {escape(r.finished or "?")} · '
-        f"Python {escape(r.python or '?')} · {escape(phases)}</p>"
+        f"Python {escape(r.python or '?')} · {escape(env_text)} · {escape(phases)}</p>"
     )
     bad = [t for t in gc.tests if t.outcome is not TestOutcome.PASSED]
     if gc.tests:

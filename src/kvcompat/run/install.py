@@ -62,8 +62,10 @@ def install_steps(ctx: CellContext) -> list[list]:
         # vLLM's CPU wheels are meant to be used with the CPU index's builds, which this
         # machine cannot reach; the connectors need neither, so the cell goes without them.
         steps.append([uv, "pip", "uninstall", "--python", python, "torchvision", "torchaudio", "torchcodec"])
-    for fl in ctx.opts.find_links:
-        for step in steps:
+    for step in steps:
+        if step[2] != "uninstall":  # the same index the lock was resolved against
+            step += ["--default-index", ctx.opts.index_url]
+        for fl in ctx.opts.find_links:
             step += ["--find-links", fl]
     return steps
 

@@ -17,6 +17,7 @@ def finish(ctx: CellContext, outcome: Outcome, detail: str, **kw) -> CellResult:
         log_tail=ctx.files.log_tail(),
         started=ctx.started,
         finished=now(),
+        environment={"mode": ctx.cell.env, "exclude_newer": ctx.cell.exclude_newer},
         **kw,
     )
     write_result(ctx.opts.results_dir, result)

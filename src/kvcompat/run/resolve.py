@@ -118,6 +118,10 @@ def resolve_lock(ctx: CellContext, *, offline: bool) -> index.Resolution:
         constraints=constraints_for(ctx.cell.vllm, ctx.opts.repo / "constraints"),
         overrides=ctx.cell.override_lines(),
         find_links=ctx.opts.find_links,
+        index_url=ctx.opts.index_url,
+        exclude_newer=ctx.cell.exclude_newer,
+        # An as-released lock cannot change: cached, a warm run skips the resolve.
+        cache_root=ctx.opts.repo if ctx.cell.exclude_newer else None,
         offline=offline,
     )
 
