@@ -25,7 +25,7 @@ class PipelineError(KvcompatError):
     """An unknown CI engine."""
 
 
-SETUP = "python -m pip install --quiet 'nox>=2026.10.20' 'uv>=0.5'"
+SETUP = "python -m pip install --quiet 'nox>=2026.10.20' 'uv>=0.5' 'pyelftools>=0.31'"
 CPU_RUNNER = "ubuntu-latest"
 GPU_RUNNER = ["self-hosted", "linux", "gpu"]
 

@@ -54,6 +54,7 @@ class CellResult:
     suites: dict[str, dict] = dataclasses.field(default_factory=dict)  # suite -> {"outcome", "detail", "seconds"}
     # {"mode": "today" | "as-released", "exclude_newer": ISO timestamp or None}
     environment: dict = dataclasses.field(default_factory=dict)
+    abi: dict = dataclasses.field(default_factory=dict)  # kvcompat.abi.AbiVerdict.to_json(); {} when not checked
     started: str | None = None
     finished: str | None = None
     schema: int = SCHEMA

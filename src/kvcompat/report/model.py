@@ -76,11 +76,15 @@ class GridCell:
     def text(self) -> str:
         counts, total = self.counts(), len(self.tests)
         text = f"{self.outcome.label}"
+        missing = self.result.abi.get("missing")
+        if missing:  # the square is the cell's import error; the suite's own verdict follows
+            suite = Outcome(self.result.suites.get(self.suite, {}).get("outcome", self.outcome.value))
+            text += f" · ABI ✗ {missing} symbols (suite {suite.label}"
         if total:
             text += f" {counts['passed']}/{total}"
             if counts["not_applicable"]:
                 text += f" ({counts['not_applicable']} n/a)"
-        return text
+        return text + (")" if missing else "")
 
 
 def grid_cells(result: CellResult) -> list[GridCell]:
@@ -89,7 +93,9 @@ def grid_cells(result: CellResult) -> list[GridCell]:
     for suite in suites:
         tests = [t for t in result.tests if t.suite == suite]
         info = result.suites.get(suite)
-        if info:
+        if result.abi.get("missing"):  # extensions that cannot link make every square of the cell red
+            outcome, detail = result.outcome, result.detail
+        elif info:
             outcome, detail = Outcome(info["outcome"]), info.get("detail", "")
         elif len(suites) == 1:
             outcome, detail = result.outcome, result.detail

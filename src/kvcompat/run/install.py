@@ -23,10 +23,11 @@ class DiskFullError(KvcompatError):
 
 @dataclasses.dataclass
 class Installed:
-    """A built venv: the lock it came from, and what ``uv pip freeze`` says is in it."""
+    """A built venv: the lock it came from, what ``uv pip freeze`` says is in it, and its ABI verdict."""
 
     resolved: Resolved
     versions: dict[str, str]
+    abi: dict = dataclasses.field(default_factory=dict)  # kvcompat.abi.AbiVerdict.to_json(), {} if not checked
 
 
 def check_disk(ctx: CellContext) -> None:
@@ -90,7 +91,22 @@ def phase(ctx: CellContext, resolved: Resolved) -> Installed | CellResult:
         failure = _install(ctx)
     if failure is not None:
         return record.finish(ctx, Outcome.INSTALL_ERROR, failure)
-    return Installed(resolved, freeze(ctx))
+    versions = freeze(ctx)
+    return Installed(resolved, versions, check_abi(ctx, versions))
+
+
+def check_abi(ctx: CellContext, versions: dict[str, str]) -> dict:
+    """Would the cell's compiled extensions link against its torch? (see kvcompat.abi)"""
+    from kvcompat import abi
+
+    site = next(ctx.venv.glob("lib/python*/site-packages"), None)
+    if site is None or "torch" not in versions:
+        return {}
+    with ctx.timed("abi"):
+        verdict = abi.check(site, versions["torch"], ctx.opts.repo / ".kvcompat" / "cache" / "abi")
+    if not verdict.ok:
+        ctx.say(f"ABI: {len(verdict.missing)} torch symbols the extensions need are not in torch {verdict.torch}")
+    return verdict.to_json()
 
 
 def _install(ctx: CellContext) -> str | None:

@@ -175,11 +175,25 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
                 Outcome.TIMEOUT,
                 f"import vllm did not finish in {ctx.opts.import_timeout_s:.0f}s",
                 versions=versions,
+                abi=installed.abi,
             )
         if rc != 0 or PROBE_MARK not in out.splitlines():
             return record.finish(
-                ctx, Outcome.IMPORT_ERROR, last_error_line(out, "import vllm failed"), versions=versions
+                ctx,
+                Outcome.IMPORT_ERROR,
+                last_error_line(out, "import vllm failed"),
+                versions=versions,
+                abi=installed.abi,
             )
+    abi = installed.abi
+    if abi.get("missing"):
+        # The suite runs vLLM's Python code; on a machine where the extensions load (a GPU box),
+        # vLLM would not import at all.  Not a green cell for users, whatever the suite said.
+        detail = (
+            f"vLLM's compiled extensions would not link against torch {abi['torch']}: {abi['missing']} torch "
+            f"symbols missing (e.g. {abi['examples'][0]}); the connector suite said {outcome.label}: {detail}"
+        )
+        outcome = Outcome.IMPORT_ERROR
     resolved = installed.resolved
     return record.finish(
         ctx,
@@ -191,6 +205,7 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
         cache_key=resolved.key,
         resolved_at=resolved.resolved_at,
         suites=info,
+        abi=abi,
     )
 
 
