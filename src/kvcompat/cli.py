@@ -94,8 +94,14 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    with one_line_errors():
-        return run(sys.argv[1:] if argv is None else argv)
+    try:
+        with one_line_errors():
+            code = run(sys.argv[1:] if argv is None else argv)
+            sys.stdout.flush()  # inside the try: a reader that went away shows up here, not at exit
+            return code
+    except BrokenPipeError:  # the reader went away (`kvcompat show X | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -183,3 +183,20 @@ def test_every_nox_session_rejects_bad_arguments_in_one_line(project, args, need
 @pytest.mark.parametrize("args, needle", CLI_WALK, ids=[" ".join(a) or "no-command" for a, _ in CLI_WALK])
 def test_every_kvcompat_subcommand_rejects_bad_arguments_in_one_line(project, args, needle):
     assert needle in one_line_error(kvcompat(project, *args))
+
+
+def test_a_closed_pipe_is_not_a_traceback(project):
+    """`kvcompat list | head -1`: the reader leaves before the output is written; the command ends quietly."""
+    read, write = os.pipe()
+    os.close(read)  # every write to the pipe now fails with EPIPE
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcompat.cli", "--root", str(project), "list"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(project / "src")},
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
