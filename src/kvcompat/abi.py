@@ -23,8 +23,10 @@ from elftools.elf.elffile import ELFFile
 from kvcompat.atomic import write_atomic
 
 # Mangled names in torch's namespaces (c10::, at::, torch::, caffe2::; functions, const members,
-# vtables, typeinfo) and the AOTI stable C shim.
-TORCH_SYMBOL = re.compile(r"^_Z(?:T[VIS])?NK?(?:3c10|2at|5torch|6caffe2)|^aoti_torch_")
+# vtables, typeinfo), the AOTI stable C shim, and torch's other C entry points (torchaudio
+# 2.11.1, whose metadata accepts torch 2.11.0, needs torch_exception_get_what_without_backtrace,
+# which torch 2.11.0 does not export).
+TORCH_SYMBOL = re.compile(r"^_Z(?:T[VIS])?NK?(?:3c10|2at|5torch|6caffe2)|^aoti_torch_|^torch_")
 EXTENSION_DIRS = ("vllm", "torchvision", "torchaudio")
 EXAMPLES = 8
 

@@ -32,6 +32,8 @@ AS_RELEASED_GRACE = dt.timedelta(days=3)
 # What vLLM's own connector tests import beyond vLLM and pytest: tblib (tests/conftest.py)
 # and ray (test_nixl_connector.py; vLLM itself stopped requiring it after 0.17).
 UPSTREAM_TEST_REQUIREMENTS = ["tblib", "ray"]  # every surveyed vLLM release (0.8.5-0.34) accepts 3.11
+# Each built against one torch release and pinning it exactly: an override cell's must match its torch.
+TORCH_COMPANIONS = ("torchvision", "torchaudio")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +123,11 @@ class Cell:
         return reqs
 
     def override_lines(self) -> list[str]:
-        """What ``uv pip compile --override`` gets: an explicit torch, and the entry's overrides."""
+        """What ``uv pip compile --override`` gets: an explicit torch, and the entry's overrides.
+
+        An explicit torch's companions (TORCH_COMPANIONS) are matched to it at resolve time
+        (kvcompat.run.resolve.companion_overrides), since only the index knows their versions.
+        """
         return ([f"torch=={self.torch}"] if self.torch_override else []) + list(self.overrides)
 
     def to_json(self) -> dict:

@@ -152,6 +152,18 @@ def make_result(
 # -- a package index -----------------------------------------------------------------------------
 
 
+def file_index(folder: Path, wheels: list[Path]) -> str:
+    """A PEP 503 simple index of ``wheels`` under ``folder``, as a file:// URL uv resolves against."""
+    by_project: dict[str, list[Path]] = {}
+    for wheel in wheels:
+        by_project.setdefault(wheel.name.split("-")[0].replace("_", "-").lower(), []).append(wheel)
+    for project, files in by_project.items():
+        page = folder / "simple" / project
+        page.mkdir(parents=True, exist_ok=True)
+        (page / "index.html").write_text("".join(f'<a href="{w.resolve().as_uri()}">{w.name}</a>\n' for w in files))
+    return (folder / "simple").resolve().as_uri()
+
+
 class FakeIndex:
     """Stands in for ``simple_api.http_get``: one project's simple-API page (PEP 691 JSON or PEP 503
     HTML) under ``base``, and the bodies of its files under ``<host>/files/``.

@@ -67,6 +67,7 @@ def test_symbol_pattern():
         "_ZTVN2at6TensorE",
         "_ZN5torch3jit4loadEv",
         "aoti_torch_empty_strided",
+        "torch_exception_get_what_without_backtrace",
     ):
         assert abi.TORCH_SYMBOL.search(name), name
     for name in ("puts", "_ZNSt6vectorIiE9push_backEv", "_ZN4vllm3fooEv", "PyInit__C"):

@@ -133,6 +133,19 @@ def test_unresolvable_release(tmp_path, make_suite, opts):
     assert read_result(tmp_path / "results" / f"{cell.id}.json").outcome is Outcome.UNRESOLVABLE
 
 
+def test_every_test_failing_on_one_import_time_error_is_an_import_error(tmp_path, fake_wheel, make_suite, opts):
+    """Tests that import vLLM's config in their body all fail the same way: the cell is an import error,
+    never test fail (a torchvision built for another torch breaks vLLM's import, not the connector)."""
+    broken = {"vllm/config.py": "raise RuntimeError('operator torchvision::nms does not exist')\n"}
+    suite = make_suite(
+        test_a="def test_a():\n    import vllm.config\n", test_b="def test_b():\n    import vllm.config\n"
+    )
+    result = run(wheel_cell(fake_wheel(extra=broken)), tmp_path, opts(suite))
+    assert result.outcome is Outcome.IMPORT_ERROR, result.detail
+    assert "operator torchvision::nms does not exist" in result.detail
+    assert result.counts()["failed"] == 2  # the tests are still there to read
+
+
 def test_import_error(tmp_path, fake_wheel, make_suite, opts):
     result = run(wheel_cell(fake_wheel(broken_import=True)), tmp_path, opts(make_suite(test_ok=PASSING)))
     assert result.outcome is Outcome.IMPORT_ERROR

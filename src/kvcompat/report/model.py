@@ -76,15 +76,15 @@ class GridCell:
     def text(self) -> str:
         counts, total = self.counts(), len(self.tests)
         text = f"{self.outcome.label}"
-        missing = self.result.abi.get("missing")
-        if missing:  # the square is the cell's import error; the suite's own verdict follows
-            suite = Outcome(self.result.suites.get(self.suite, {}).get("outcome", self.outcome.value))
-            text += f" · ABI ✗ {missing} symbols (suite {suite.label}"
-        if total:
-            text += f" {counts['passed']}/{total}"
-            if counts["not_applicable"]:
-                text += f" ({counts['not_applicable']} n/a)"
-        return text + (")" if missing else "")
+        if self.result.abi.get("missing"):
+            text += f" · ABI ✗ {self.result.abi['missing']} symbols"
+        tally = f"{counts['passed']}/{total}" + (
+            f" ({counts['not_applicable']} n/a)" if counts["not_applicable"] else ""
+        )
+        suite = self.result.suites.get(self.suite, {}).get("outcome")
+        if self.outcome is Outcome.IMPORT_ERROR and suite and suite != self.outcome.value and total:
+            return text + f" (suite {Outcome(suite).label} {tally})"  # the cell's verdict first, the suite's after
+        return text + (f" {tally}" if total else "")
 
 
 def grid_cells(result: CellResult) -> list[GridCell]:
@@ -93,7 +93,7 @@ def grid_cells(result: CellResult) -> list[GridCell]:
     for suite in suites:
         tests = [t for t in result.tests if t.suite == suite]
         info = result.suites.get(suite)
-        if result.abi.get("missing"):  # extensions that cannot link make every square of the cell red
+        if result.outcome is Outcome.IMPORT_ERROR:  # vLLM would not import: every square of the cell says so
             outcome, detail = result.outcome, result.detail
         elif info:
             outcome, detail = Outcome(info["outcome"]), info.get("detail", "")

@@ -21,7 +21,7 @@ from packaging.version import InvalidVersion, Version
 
 from kvcompat import index
 from kvcompat.atomic import write_atomic
-from kvcompat.cells import Cell, constraints_for
+from kvcompat.cells import TORCH_COMPANIONS, Cell, constraints_for
 from kvcompat.errors import KvcompatError
 from kvcompat.outcomes import Outcome
 from kvcompat.results import CellResult, write_result
@@ -111,12 +111,44 @@ def interpreter(ctx: CellContext) -> str:
     return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else ctx.cell.python
 
 
+def companion_overrides(ctx: CellContext, *, offline: bool) -> list[str]:
+    """For a cell that overrides torch: the torchvision and torchaudio releases built for that torch.
+
+    Overriding torch alone leaves them at the versions vLLM pins for its own torch, and they
+    then fail to load against the overridden one ("operator torchvision::nms does not exist"),
+    taking ``import vllm`` down: a verdict on torchvision, not on the connector.  Overriding them
+    by name alone does not help either, since uv's override of torch also replaces their own
+    ``torch==`` pin.  So ask the resolver, in a query of their own, which releases' metadata
+    accept the overridden torch, and override them to exactly those.  Where none does, that one
+    is left alone: a mismatch then shows as the cell's import error and ABI verdict.
+    """
+    if not ctx.cell.torch_override:
+        return []
+    lines = []
+    for name in TORCH_COMPANIONS:  # one query each: a companion with no match must not block the other
+        res = index.resolve(
+            [f"torch=={ctx.cell.torch}", name],
+            python=ctx.cell.python,
+            find_links=ctx.opts.find_links,
+            index_url=ctx.opts.index_url,
+            exclude_newer=ctx.cell.exclude_newer,
+            cache_root=ctx.opts.repo if ctx.cell.exclude_newer else None,
+            offline=offline,
+        )
+        if res.ok and res.pin(name):
+            lines.append(f"{name}=={res.pin(name)}")
+        elif not offline:
+            ctx.say(f"no {name} release accepts torch {ctx.cell.torch}: left as vLLM pins it")
+            ctx.files.append_log(res.error)
+    return lines
+
+
 def resolve_lock(ctx: CellContext, *, offline: bool) -> index.Resolution:
     return index.resolve(
         ctx.cell.requirements(),
         python=ctx.cell.python,
         constraints=constraints_for(ctx.cell.vllm, ctx.opts.repo / "constraints"),
-        overrides=ctx.cell.override_lines(),
+        overrides=ctx.cell.override_lines() + companion_overrides(ctx, offline=offline),
         find_links=ctx.opts.find_links,
         index_url=ctx.opts.index_url,
         exclude_newer=ctx.cell.exclude_newer,

@@ -18,12 +18,12 @@ from kvcompat.run import record
 from kvcompat.run.context import CellContext
 from kvcompat.run.install import Installed
 from kvcompat.run.process import last_error_line
+from kvcompat.testkit.import_probe import MARK as PROBE_MARK
 
 PLUGIN = "kvcompat.testkit.pytest_plugin"
-# Run only when the suite errored: does vLLM import at all?  (A broken import errors every
-# test; the cell should then say import error.)  A passing cell never pays for a second import.
-PROBE_MARK = "KVCOMPAT-PROBE vllm imported"
-PROBE_CODE = f"import vllm\nprint({PROBE_MARK!r})\n"
+# Run only when the suite errored, or when no test passed (see kvcompat.testkit.import_probe);
+# a passing cell never pays for a second import of vLLM.
+PROBE = "kvcompat.testkit.import_probe"
 # pytest's exit statuses other than 0 (all passed) and 1 (some failed): none is a verdict on vLLM.
 PYTEST_EXIT = {
     2: "interrupted, e.g. by a collection error",
@@ -166,9 +166,9 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
     main = info.get("ours") or next(iter(info.values()))
     outcome, detail = Outcome(main["outcome"]), main["detail"]
     versions = installed.versions
-    if outcome is Outcome.TEST_ERROR:
+    if outcome is Outcome.TEST_ERROR or outcome is Outcome.TEST_FAIL and not count_tests(tests)["passed"]:
         with ctx.timed("import"):
-            rc, out = ctx.sh([ctx.python, "-c", PROBE_CODE], timeout=ctx.opts.import_timeout_s, phase="import")
+            rc, out = ctx.sh([ctx.python, "-m", PROBE], timeout=ctx.opts.import_timeout_s, phase="import")
         if rc is None:
             return record.finish(
                 ctx,
@@ -178,11 +178,15 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
                 abi=installed.abi,
             )
         if rc != 0 or PROBE_MARK not in out.splitlines():
+            # the tests stay in the result to read; the verdict is vLLM's import, not the connector
             return record.finish(
                 ctx,
                 Outcome.IMPORT_ERROR,
                 last_error_line(out, "import vllm failed"),
+                tests=tests,
                 versions=versions,
+                python=python,
+                suites=info,
                 abi=installed.abi,
             )
     abi = installed.abi
