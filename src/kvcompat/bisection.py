@@ -92,9 +92,10 @@ def verdict_for(result: CellResult, test: str) -> Step:
         names = ", ".join(sorted({t.nodeid.split("::")[-1] for t in result.tests})[:8])
         raise BisectError(f"--test {test!r} matches no test in {result.id}; use a node id or keyword such as: {names}")
     outcomes = {t.outcome for t in matched}
-    names = ", ".join(t.nodeid.split("::")[-1] for t in matched if t.outcome in (TestOutcome.FAILED, TestOutcome.ERROR))
-    if TestOutcome.FAILED in outcomes or TestOutcome.ERROR in outcomes:
-        first = next(t for t in matched if t.outcome in (TestOutcome.FAILED, TestOutcome.ERROR))
+    bad = (TestOutcome.FAILED, TestOutcome.UNSUPPORTED, TestOutcome.ERROR)  # unsupported is a verdict, like fail
+    names = ", ".join(t.nodeid.split("::")[-1] for t in matched if t.outcome in bad)
+    if outcomes & set(bad):
+        first = next(t for t in matched if t.outcome in bad)
         return Step(version, Verdict.BAD, f"{names}: {first.outcome.value}: {headline(first.message)}")
     if outcomes == {TestOutcome.PASSED}:
         return Step(version, Verdict.GOOD, f"{len(matched)} matching test(s) passed")

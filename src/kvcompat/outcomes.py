@@ -19,6 +19,9 @@ from collections.abc import Iterable
 # skip message.  Any other skip is reported as an error, so a test cannot hide
 # behind ``pytest.skip``.
 NOT_APPLICABLE_PREFIX = "kvcompat-not-applicable: "
+# A test whose user configuration the release refuses to build calls
+# ``kvcompat.testkit.unsupported(...)``: the plugin recognises this prefix on the failure.
+UNSUPPORTED_PREFIX = "kvcompat-unsupported: "
 
 
 class Outcome(str, enum.Enum):
@@ -28,6 +31,7 @@ class Outcome(str, enum.Enum):
     INSTALL_ERROR = "install_error"
     IMPORT_ERROR = "import_error"
     TEST_FAIL = "test_fail"
+    UNSUPPORTED = "unsupported"
     TEST_ERROR = "test_error"
     TIMEOUT = "timeout"
     NOT_APPLICABLE = "not_applicable"
@@ -51,6 +55,7 @@ class TestOutcome(str, enum.Enum):
     PASSED = "passed"
     FAILED = "failed"
     ERROR = "error"
+    UNSUPPORTED = "unsupported"
     NOT_APPLICABLE = "not_applicable"
 
 
@@ -58,14 +63,17 @@ def cell_outcome(test_outcomes: Iterable[TestOutcome | str]) -> Outcome:
     """Derive a cell's outcome from the outcomes of the tests that ran in it.
 
     No tests at all is an error: a cell that collected nothing asserted nothing.
-    A failure outranks an error (it is the more specific finding); a cell is
-    not-applicable only when every test in it was.
+    A failure outranks an unsupported configuration, which outranks an error (each is
+    the more specific finding); a cell is not-applicable only when every test in it was.
+    Unsupported is red: the user's configuration cannot be built in this release.
     """
     outcomes = [TestOutcome(o) for o in test_outcomes]
     if not outcomes:
         return Outcome.TEST_ERROR
     if TestOutcome.FAILED in outcomes:
         return Outcome.TEST_FAIL
+    if TestOutcome.UNSUPPORTED in outcomes:
+        return Outcome.UNSUPPORTED
     if TestOutcome.ERROR in outcomes:
         return Outcome.TEST_ERROR
     if all(o is TestOutcome.NOT_APPLICABLE for o in outcomes):

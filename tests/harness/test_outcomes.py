@@ -5,6 +5,7 @@ import pytest
 from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
 
 P, F, E, NA = TestOutcome.PASSED, TestOutcome.FAILED, TestOutcome.ERROR, TestOutcome.NOT_APPLICABLE
+U = TestOutcome.UNSUPPORTED
 
 
 @pytest.mark.parametrize(
@@ -18,6 +19,10 @@ P, F, E, NA = TestOutcome.PASSED, TestOutcome.FAILED, TestOutcome.ERROR, TestOut
         ([P, E], Outcome.TEST_ERROR),
         ([E, F, P], Outcome.TEST_FAIL),
         ([NA, E], Outcome.TEST_ERROR),
+        ([P, U], Outcome.UNSUPPORTED),  # red: the user's configuration cannot be built
+        ([U, E], Outcome.UNSUPPORTED),
+        ([U, F], Outcome.TEST_FAIL),
+        ([NA, U], Outcome.UNSUPPORTED),
     ],
 )
 def test_cell_outcome(tests, expected):
@@ -28,5 +33,27 @@ def test_only_pass_and_not_applicable_are_green():
     assert {o for o in Outcome if o.is_green} == {Outcome.PASS, Outcome.NOT_APPLICABLE}
 
 
-def test_all_eight_statuses_are_distinct():
-    assert len({o.value for o in Outcome}) == 8
+def test_all_nine_statuses_are_distinct():
+    assert len({o.value for o in Outcome}) == 9
+    assert Outcome.UNSUPPORTED.label == "unsupported" and not Outcome.UNSUPPORTED.is_green
+
+
+def test_unsupported_is_a_verdict_in_the_bisect_the_junit_and_every_renderer():
+    from kvcompat.bisection import Verdict, verdict_for
+    from kvcompat.report.junit import render_junit
+    from kvcompat.report.markdown import MARK, TEST_MARK
+    from kvcompat.report.model import Report
+    from kvcompat.report.terminal import ANSI
+    from kvcompat.report.webpage import COLOURS
+
+    from helpers import make_result
+
+    refused = "MultiConnector(Nixl, CPU offload) with HMA: ValueError: no HMA (vllm/config.py:3)"
+    result = make_result("0.20.0", outcome=Outcome.UNSUPPORTED, tests=[("test_hma", "unsupported", refused)])
+    step = verdict_for(result, "test_hma")
+    assert step.verdict is Verdict.BAD and "unsupported" in step.why
+    xml = render_junit(Report([result], generated="2026-12-03"))
+    assert 'failures="1"' in xml and 'type="unsupported"' in xml and "no HMA" in xml
+    for table in (MARK, ANSI, COLOURS):
+        assert Outcome.UNSUPPORTED in table and len(set(map(str, table.values()))) >= 7
+    assert TEST_MARK[TestOutcome.UNSUPPORTED] == "🟤 unsupported"

@@ -125,6 +125,53 @@ def test_failing_test_is_test_fail_with_message(tmp_path, fake_wheel, make_suite
     assert "load went to the wrong child" in result.tests[0].message
 
 
+REFUSING = {
+    "vllm/config.py": (
+        "def build(hma):\n"
+        "    if hma:\n"
+        "        raise ValueError('MultiConnector does not support HMA')\n"
+        "    return 'ok'\n"
+    )
+}
+UNSUPPORTED_SUITE = """
+import pytest
+from kvcompat.testkit import user_configuration
+
+def test_refused_by_vllm():
+    import vllm.config
+    with user_configuration("MultiConnector(Nixl, CPU offload) with HMA"):
+        vllm.config.build(hma=True)
+
+def test_refused_by_our_own_code():
+    with user_configuration("a configuration our adapter fails to build"):
+        raise TypeError("adapter bug")
+
+def test_built():
+    import vllm.config
+    with user_configuration("without HMA"):
+        assert vllm.config.build(hma=False) == "ok"
+"""
+
+
+def test_a_configuration_vllm_refuses_is_unsupported_not_na_and_red(tmp_path, fake_wheel, make_suite, opts):
+    """vLLM raising while it builds the user's configuration is ``unsupported`` with vLLM's error and
+    source line; the same raise from our own code stays a test error; the cell is red."""
+    result = run(wheel_cell(fake_wheel(extra=REFUSING)), tmp_path, opts(make_suite(test_u=UNSUPPORTED_SUITE)))
+    by_name = {t.nodeid.split("::")[-1]: t for t in result.tests}
+    refused = by_name["test_refused_by_vllm"]
+    assert refused.outcome.value == "unsupported", refused.message
+    assert refused.message == (
+        "MultiConnector(Nixl, CPU offload) with HMA: ValueError: MultiConnector does not support HMA (vllm/config.py:3)"
+    )
+    assert by_name["test_refused_by_our_own_code"].outcome.value == "failed"  # ours: never blamed on vLLM
+    assert by_name["test_built"].outcome.value == "passed"
+    assert result.outcome is Outcome.TEST_FAIL and not result.outcome.is_green
+    only_refused = make_suite(test_u=UNSUPPORTED_SUITE.split("def test_refused_by_our_own_code")[0])
+    result = run(wheel_cell(fake_wheel(extra=REFUSING)), tmp_path / "2", opts(only_refused))
+    assert result.outcome is Outcome.UNSUPPORTED and result.counts()["unsupported"] == 1
+    assert "MultiConnector does not support HMA" in result.detail
+
+
 def test_unresolvable_release(tmp_path, make_suite, opts):
     cell = Cell(vllm="0.0.0.dev0", torch="pinned")
     result = run(cell, tmp_path, opts(make_suite(test_ok=PASSING)))

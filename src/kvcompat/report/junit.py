@@ -16,6 +16,9 @@ def render_junit(rep: Report) -> str:
             body = ""
             if t.outcome is TestOutcome.FAILED:
                 body = f"<failure message={quoteattr((t.message or '')[:200])}>{escape(t.message or '')}</failure>"
+            elif t.outcome is TestOutcome.UNSUPPORTED:  # a verdict on the release, like a failure
+                message = "unsupported: " + (t.message or "")
+                body = f'<failure type="unsupported" message={quoteattr(message[:200])}>{escape(message)}</failure>'
             elif t.outcome is TestOutcome.ERROR:
                 body = f"<error message={quoteattr((t.message or '')[:200])}>{escape(t.message or '')}</error>"
             elif t.outcome is TestOutcome.NOT_APPLICABLE:
@@ -33,7 +36,7 @@ def render_junit(rep: Report) -> str:
         c = r.counts()
         errors = c["error"] + (0 if r.tests or r.outcome is Outcome.NOT_APPLICABLE else 1)
         suites.append(
-            f'<testsuite name={quoteattr(r.id)} tests="{max(len(r.tests), 1)}" failures="{c["failed"]}" errors="{errors}" '
+            f'<testsuite name={quoteattr(r.id)} tests="{max(len(r.tests), 1)}" failures="{c["failed"] + c["unsupported"]}" errors="{errors}" '
             f'skipped="{c["not_applicable"]}" time="{sum(r.phases.values()):.2f}">' + "".join(cases) + "</testsuite>"
         )
     return '<?xml version="1.0" encoding="utf-8"?>\n<testsuites name="kvcompat">' + "".join(suites) + "</testsuites>\n"

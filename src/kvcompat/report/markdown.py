@@ -11,6 +11,7 @@ MARK = {
     Outcome.PASS: "🟢",
     Outcome.NOT_APPLICABLE: "⚪",
     Outcome.TEST_FAIL: "🔴",
+    Outcome.UNSUPPORTED: "🟤",
     Outcome.TEST_ERROR: "🟠",
     Outcome.TIMEOUT: "🟠",
     Outcome.IMPORT_ERROR: "🟣",
@@ -21,6 +22,7 @@ TEST_MARK = {
     TestOutcome.PASSED: "🟢 pass",
     TestOutcome.FAILED: "🔴 fail",
     TestOutcome.ERROR: "🟠 error",
+    TestOutcome.UNSUPPORTED: "🟤 unsupported",
     TestOutcome.NOT_APPLICABLE: "⚪ n/a",
 }
 

@@ -11,6 +11,7 @@ ANSI = {
     Outcome.PASS: "32",
     Outcome.NOT_APPLICABLE: "37",
     Outcome.TEST_FAIL: "31",
+    Outcome.UNSUPPORTED: "91",
     Outcome.TEST_ERROR: "33",
     Outcome.TIMEOUT: "33",
     Outcome.IMPORT_ERROR: "35",

@@ -17,6 +17,7 @@ COLOURS = {
     Outcome.PASS: ("#1a7f37", "#dafbe1"),
     Outcome.NOT_APPLICABLE: ("#57606a", "#f6f8fa"),
     Outcome.TEST_FAIL: ("#cf222e", "#ffebe9"),
+    Outcome.UNSUPPORTED: ("#953800", "#ffd8b5"),
     Outcome.TEST_ERROR: ("#bc4c00", "#fff1e5"),
     Outcome.TIMEOUT: ("#bc4c00", "#fff1e5"),
     Outcome.IMPORT_ERROR: ("#8250df", "#fbefff"),
@@ -61,6 +62,7 @@ def _test_style(outcome: TestOutcome) -> str:
             TestOutcome.PASSED: Outcome.PASS,
             TestOutcome.FAILED: Outcome.TEST_FAIL,
             TestOutcome.ERROR: Outcome.TEST_ERROR,
+            TestOutcome.UNSUPPORTED: Outcome.UNSUPPORTED,
             TestOutcome.NOT_APPLICABLE: Outcome.NOT_APPLICABLE,
         }[outcome]
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvcompat.cells import Cell
 from kvcompat.matrix import NIXL_FAKE
-from kvcompat.outcomes import Outcome, cell_outcome
+from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
 from kvcompat.results import CellResult, TestResult, count_tests
 from kvcompat.run import record
 from kvcompat.run.context import CellContext
@@ -137,6 +137,9 @@ def run_pytest(ctx: CellContext, suite: str, run: SuiteRun) -> SuiteVerdict:
             python,
         )
     detail = f"{count_tests(tests)['passed']}/{len(tests)} tests passed"
+    if outcome is Outcome.UNSUPPORTED:  # the release's refusal is the finding: name it at a glance
+        refused = next(t for t in tests if t.outcome is TestOutcome.UNSUPPORTED)
+        detail += f"; unsupported: {(refused.message or '')[:240]}"
     if data.get("deselected"):
         names = ", ".join(sorted(n.split("::")[-1] for n in data["deselected"]))
         why = " ".join(run.args[run.args.index("-m") :][:2]) if "-m" in run.args else "deselected"

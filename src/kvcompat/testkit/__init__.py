@@ -13,7 +13,11 @@ functions), and from the harness only the shared vocabulary
 
 from __future__ import annotations
 
-from kvcompat.outcomes import NOT_APPLICABLE_PREFIX
+import contextlib
+import traceback
+from collections.abc import Iterator
+
+from kvcompat.outcomes import NOT_APPLICABLE_PREFIX, UNSUPPORTED_PREFIX
 
 
 def not_applicable(reason: str) -> None:
@@ -25,3 +29,28 @@ def not_applicable(reason: str) -> None:
     import pytest
 
     pytest.skip(NOT_APPLICABLE_PREFIX + reason)
+
+
+@contextlib.contextmanager
+def user_configuration(what: str) -> Iterator[None]:
+    """Build a configuration a user would deploy; vLLM refusing it makes the test ``unsupported``.
+
+    Only an exception raised inside vLLM's own code counts as the release refusing (its
+    innermost frame is in the vllm package): one raised by the adapter is ours, and stays a
+    test error.  Unsupported is a red verdict, never n/a: the scenario can arise, the user
+    asked for it, and the release cannot serve it.
+    """
+    refused = None
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - classified below, re-raised when not vLLM's
+        frames = traceback.extract_tb(exc.__traceback__)
+        if not (frames and "/vllm/" in frames[-1].filename.replace("\\", "/")):
+            raise
+        where = f"vllm/{frames[-1].filename.split('/vllm/', 1)[-1]}:{frames[-1].lineno}"
+        refused = f"{what}: {type(exc).__name__}: {exc} ({where})"
+    if refused is not None:
+        import pytest
+
+        # from None: the failure carries vLLM's error in one line, not the chain it came from
+        raise pytest.fail.Exception(UNSUPPORTED_PREFIX + refused, pytrace=False) from None

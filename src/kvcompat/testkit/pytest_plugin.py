@@ -9,6 +9,8 @@ Outcome mapping (see :mod:`kvcompat.outcomes`):
 
 * call passed (and setup/teardown clean)            -> passed
 * call failed                                       -> failed
+* failed with ``unsupported(...)`` (vLLM refused the
+  user's configuration)                             -> unsupported
 * setup/teardown failed, collection error           -> error
 * skipped with ``not_applicable(reason)``           -> not_applicable
 * any other skip, xfail or xpass                    -> error (a test may not hide)
@@ -23,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from kvcompat.atomic import write_atomic
-from kvcompat.outcomes import NOT_APPLICABLE_PREFIX, TestOutcome
+from kvcompat.outcomes import NOT_APPLICABLE_PREFIX, UNSUPPORTED_PREFIX, TestOutcome
 
 MESSAGE_CHARS = 3000
 
@@ -50,6 +52,12 @@ def _message(report: pytest.TestReport | pytest.CollectReport) -> str:
     return text if len(text) <= MESSAGE_CHARS else "…" + text[-MESSAGE_CHARS:]
 
 
+def _unsupported(report: pytest.TestReport) -> str | None:
+    """The release's refusal, when the test called ``unsupported(...)`` (pytest.fail without a traceback)."""
+    text = getattr(report, "longreprtext", "") or ""
+    return text.removeprefix(UNSUPPORTED_PREFIX)[:MESSAGE_CHARS] if text.startswith(UNSUPPORTED_PREFIX) else None
+
+
 def _skip_reason(report: pytest.TestReport) -> str:
     if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
         return str(report.longrepr[2]).removeprefix("Skipped: ")
@@ -74,8 +82,9 @@ class ResultCollector:
             None: -1,
             TestOutcome.PASSED: 0,
             TestOutcome.NOT_APPLICABLE: 1,
-            TestOutcome.FAILED: 2,
-            TestOutcome.ERROR: 3,
+            TestOutcome.UNSUPPORTED: 2,
+            TestOutcome.FAILED: 3,
+            TestOutcome.ERROR: 4,
         }
         if rank[outcome] >= rank[entry["outcome"]]:
             entry["outcome"] = outcome
@@ -105,6 +114,8 @@ class ResultCollector:
                 self._record(report.nodeid, TestOutcome.NOT_APPLICABLE, reason.removeprefix(NOT_APPLICABLE_PREFIX), d)
             else:
                 self._record(report.nodeid, TestOutcome.ERROR, f"skipped without a capability probe: {reason}", d)
+        elif report.failed and report.when == "call" and (refused := _unsupported(report)) is not None:
+            self._record(report.nodeid, TestOutcome.UNSUPPORTED, refused, d)
         elif report.failed:
             outcome = TestOutcome.FAILED if report.when == "call" else TestOutcome.ERROR
             self._record(report.nodeid, outcome, f"[{report.when}] " + _message(report), d)
