@@ -7,6 +7,22 @@ Cells tagged ``gpu`` land on GPU runners/agents.
 
 ``python -m kvcompat.ci github-matrix|buildkite-steps < nox-list.json`` is what
 the generated pipelines call to turn the listing into jobs.
+
+The GitHub workflow is written to pass review: every action pinned to a full
+commit SHA (its tag in a comment), least-privilege ``permissions`` (none at the
+top, ``contents: read`` per job), and ``persist-credentials: false`` on checkout,
+so no token lands in ``.git/config`` or an uploaded artifact (zizmor: 0 findings).
+
+Disk: a cell needs about 10 GB of venv plus uv's cache, more than a stock
+GitHub-hosted runner has free (about 14 GB on /, most of it used by preinstalled
+toolchains).  The cell job therefore *frees space first* on GitHub-hosted runners
+(removes the Android SDK, .NET, GHC, CodeQL and Docker images: about 30 GB), keeps
+uv's cache on the same filesystem as the venv so uv hardlinks instead of copying,
+and passes ``--min-free-gb`` so a runner that is still too small fails in one line
+before downloading anything.  It does not use actions/cache: one cell's wheels
+(torch with its CUDA libraries) exceed the repository's 10 GB cache quota, and
+restoring them would take longer than downloading.  Self-hosted GPU runners are
+left as they are.
 """
 
 from __future__ import annotations
@@ -28,6 +44,37 @@ class PipelineError(KvcompatError):
 SETUP = "python -m pip install --quiet 'nox>=2026.10.20' 'uv>=0.5' 'pyelftools>=0.31'"
 CPU_RUNNER = "ubuntu-latest"
 GPU_RUNNER = ["self-hosted", "linux", "gpu"]
+# Each action at the full commit SHA of a release tag (read from the actions' own repositories);
+# the tag goes into a comment beside it.  Update both together.
+ACTIONS = {
+    "actions/checkout": ("3d3c42e5aac5ba805825da76410c181273ba90b1", "v7.0.1"),
+    "actions/setup-python": ("5fda3b95a4ea91299a34e894583c3862153e4b97", "v7.0.0"),
+    "actions/upload-artifact": ("bbbca2ddaa5d8feaa63e36b76fdaad77386f024f", "v7.0.0"),
+    "actions/download-artifact": ("3e5f45b2cfb9172054b4087a40e8e0b5a5461e7c", "v8.0.1"),
+}
+READ_ONLY = {"contents": "read"}
+# What a GitHub-hosted runner carries that no cell needs (about 30 GB); removed before a cell runs.
+PREINSTALLED = (
+    "/usr/share/dotnet",
+    "/usr/local/lib/android",
+    "/opt/ghc",
+    "/usr/local/.ghcup",
+    "/opt/hostedtoolcache/CodeQL",
+    "/usr/local/share/boost",
+)
+MIN_FREE_GB = 12  # a cold cell: ~10 GB of venv and uv cache, plus room for the pytest run
+FREE_DISK = (
+    'df -h "$GITHUB_WORKSPACE"\n'
+    f"sudo rm -rf {' '.join(PREINSTALLED)}\n"
+    "sudo docker image prune --all --force > /dev/null || true\n"
+    'df -h "$GITHUB_WORKSPACE"\n'
+)
+
+
+def uses(action: str) -> str:
+    """``owner/name@<sha>`` with the tag recorded for the comment :func:`dump` adds."""
+    sha, _tag = ACTIONS[action]
+    return f"{action}@{sha}"
 
 
 def cells_from_listing(listing: str) -> list[dict]:
@@ -48,8 +95,8 @@ def github_matrix(cells: list[dict], cpu_runner=CPU_RUNNER, gpu_runner=GPU_RUNNE
 
 def _gh_setup() -> list[dict]:
     return [
-        {"uses": "actions/checkout@v4"},
-        {"uses": "actions/setup-python@v5", "with": {"python-version": "3.11"}},
+        {"uses": uses("actions/checkout"), "with": {"persist-credentials": False}},
+        {"uses": uses("actions/setup-python"), "with": {"python-version": "3.11"}},
         {"run": SETUP},
     ]
 
@@ -59,9 +106,14 @@ def github_workflow() -> dict:
     return {
         "name": "kvcompat matrix",
         "on": {"workflow_dispatch": {}, "schedule": [{"cron": "0 4 * * *"}]},
+        "permissions": {},  # nothing by default; each job asks for what it reads
+        # one matrix run at a time: a scheduled run queues behind a manual one instead of racing it
+        "concurrency": {"group": "${{ github.workflow }}-${{ github.ref }}", "cancel-in-progress": False},
         "jobs": {
             "list": {
+                "name": "list the cells",
                 "runs-on": CPU_RUNNER,
+                "permissions": READ_ONLY,
                 "outputs": {"cells": "${{ steps.list.outputs.cells }}"},
                 "steps": _gh_setup()
                 + [
@@ -75,14 +127,25 @@ def github_workflow() -> dict:
                 "needs": "list",
                 "name": "${{ matrix.session }}",
                 "runs-on": "${{ matrix.runs_on }}",
+                "permissions": READ_ONLY,
                 "timeout-minutes": 90,
                 "strategy": {"fail-fast": False, "matrix": {"include": "${{ fromJSON(needs.list.outputs.cells) }}"}},
-                "steps": _gh_setup()
+                "steps": [
+                    {
+                        "name": "Free disk (GitHub-hosted runners: a cell needs ~10 GB of venv and uv cache)",
+                        "if": "runner.environment == 'github-hosted'",
+                        "run": FREE_DISK,
+                    }
+                ]
+                + _gh_setup()
                 + [
-                    {"run": 'nox -s "$SESSION"', "env": {"SESSION": "${{ matrix.session }}"}},
+                    {
+                        "run": f'nox -s "$SESSION" -- --min-free-gb={MIN_FREE_GB}',
+                        "env": {"SESSION": "${{ matrix.session }}"},
+                    },
                     {
                         "if": "always()",
-                        "uses": "actions/upload-artifact@v4",
+                        "uses": uses("actions/upload-artifact"),
                         "with": {
                             "name": "results-${{ matrix.artifact }}",
                             "path": "results/*.json",
@@ -92,19 +155,21 @@ def github_workflow() -> dict:
                 ],
             },
             "report": {
+                "name": "report",
                 "needs": "cell",
                 "if": "always()",
                 "runs-on": CPU_RUNNER,
+                "permissions": READ_ONLY,
                 "steps": _gh_setup()
                 + [
                     {
-                        "uses": "actions/download-artifact@v4",
+                        "uses": uses("actions/download-artifact"),
                         "with": {"pattern": "results-*", "path": "collected", "merge-multiple": True},
                     },
                     {"run": "nox -s report -- collected"},  # also writes $GITHUB_STEP_SUMMARY
                     {
                         "if": "always()",
-                        "uses": "actions/upload-artifact@v4",
+                        "uses": uses("actions/upload-artifact"),
                         "with": {"name": "compat-report", "path": "reports/"},
                     },
                 ],
@@ -137,7 +202,8 @@ def buildkite_steps(cells: list[dict]) -> dict:
                 "key": "cell-" + re.sub(r"[^A-Za-z0-9_-]", "-", c["artifact"]),
                 "agents": {"queue": c["runner"]},
                 "env": {"KVCOMPAT_SESSION": c["session"]},
-                "command": f'{SETUP} && nox -s "$$KVCOMPAT_SESSION"',  # $$: Buildkite leaves it for the shell
+                # $$: Buildkite leaves it for the shell
+                "command": f'{SETUP} && nox -s "$$KVCOMPAT_SESSION" -- --min-free-gb={MIN_FREE_GB}',
                 "artifact_paths": ["results/*.json"],
                 "timeout_in_minutes": 90,
             }
@@ -155,8 +221,25 @@ def buildkite_steps(cells: list[dict]) -> dict:
     return {"steps": steps}
 
 
+class _Dumper(yaml.SafeDumper):
+    """Plain YAML a reviewer reads: no anchors for repeated blocks, multi-line scripts as ``|`` blocks."""
+
+    def ignore_aliases(self, data) -> bool:  # noqa: ARG002
+        return True
+
+
+_Dumper.add_representer(
+    str,
+    lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None),
+)
+
+
 def dump(data: dict) -> str:
-    return yaml.safe_dump(data, sort_keys=False, width=200)
+    """YAML, with each pinned action's tag as a comment after its SHA (``uses: a/b@<sha> # vX.Y.Z``)."""
+    text = yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=200)
+    for action, (sha, tag) in ACTIONS.items():
+        text = re.sub(rf"(uses: {re.escape(action)}@{sha})$", rf"\1 # {tag}", text, flags=re.M)
+    return text
 
 
 def write(engine: str, root: Path) -> Path:
