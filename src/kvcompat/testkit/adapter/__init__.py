@@ -14,6 +14,7 @@ One module per concern; tests use the names re-exported here
 * kv_cache          KVCacheConfig and CPU KV-cache tensors
 * engine            Scheduler, connectors, requests, model-runner outputs
 * offload_emulator  the CPU-offload child's worker answers, in the release's protocol
+* children          a child's answers, observed or scripted (the lifecycle contracts)
 * nixl              Nixl transfer params, device table, handshake
 * worker            worker-role connectors driven step by step
 

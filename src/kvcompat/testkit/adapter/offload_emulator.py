@@ -61,6 +61,16 @@ class OffloadWorkerEmulator:
         self.completed_store_events: list[int] = []
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
+        # While deferring, completions are held back and reported together in the first
+        # step after it ends: transfers that were still in flight when something happened.
+        self.deferring = False
+        self._held_store_events: list[int] = []
+        self._held_sending: set[str] = set()
+
+    def delivered_elsewhere(self, req_ids: set[str]) -> None:
+        """These requests' sends were reported through a worker-side MultiConnector by the test
+        itself: held back, they must not be reported a second time."""
+        self._held_sending -= set(req_ids)
 
     def step(self, scheduler_output: Any) -> Any:
         """KVConnectorOutput for the step whose ``scheduler_output`` is given (or None)."""
@@ -75,19 +85,25 @@ class OffloadWorkerEmulator:
         worker_meta = None
         if "store_event" in fields:  # SimpleCPUOffload
             if meta.store_event >= 0 and meta.store_gpu_blocks:
+                self._held_store_events.append(meta.store_event)
+            if self._held_store_events and not self.deferring:
+                done = {event: 1 for event in self._held_store_events}
                 child = importlib.import_module("vllm.v1.simple_kv_offload.metadata").SimpleCPUOffloadWorkerMetadata(
-                    completed_store_events={meta.store_event: 1}
+                    completed_store_events=done
                 )
                 worker_meta = _wrap_multi_worker_meta(child, self.n_children, self.child_index)
-                self.completed_store_events.append(meta.store_event)
+                self.completed_store_events += self._held_store_events
+                self._held_store_events = []
             if meta.load_event >= 0 and meta.load_gpu_blocks:
                 recving |= set(meta.load_event_to_reqs.get(meta.load_event, []))
         elif "reqs_to_store" in fields:  # OffloadingConnector <= 0.20
             self._reqs_with_stores |= set(meta.reqs_to_store)
             recving |= set(meta.reqs_to_load)
             done = self._reqs_with_stores & set(scheduler_output.finished_req_ids)
-            sending |= done
+            self._held_sending |= done
             self._reqs_with_stores -= done
+            if not self.deferring:
+                sending, self._held_sending = self._held_sending, set()
         else:
             raise TypeError(f"no worker-completion protocol known for {type(meta).__name__} ({sorted(fields)})")
         self.finished_sending |= sending
