@@ -2,6 +2,9 @@
 
 A result file is written once, atomically, when the cell reaches a final
 status; a cell without one has not finished and is redone on the next run.
+A file this kvcompat cannot read (truncated, not JSON, another schema, not a
+result at all) is an :class:`UnreadableResult`: its cell counts as not run,
+and the report names the file instead of dropping it.
 """
 
 from __future__ import annotations
@@ -13,8 +16,14 @@ from pathlib import Path
 from kvcompat.atomic import write_atomic
 from kvcompat.outcomes import Outcome, TestOutcome
 
-SCHEMA = 1
+# The result format.  2: every verdict comes from a venv whose vLLM connector files matched their
+# RECORD hashes (``integrity``); a schema-1 result carries no such guarantee, so it counts as not run.
+SCHEMA = 2
 LOG_TAIL_CHARS = 4000
+REQUIRED = ("cell", "outcome", "detail")  # what a result cannot do without
+# Files that share results/ with the cells' results but are not one (cell ids start with the dist's name):
+# kvcompat.mutation's verdicts.
+NOT_CELL_RESULTS = ("mutants-*.json",)
 
 
 @dataclasses.dataclass
@@ -55,6 +64,9 @@ class CellResult:
     # {"mode": "today" | "as-released", "exclude_newer": ISO timestamp or None}
     environment: dict = dataclasses.field(default_factory=dict)
     abi: dict = dataclasses.field(default_factory=dict)  # kvcompat.abi.AbiVerdict.to_json(); {} when not checked
+    # kvcompat.run.integrity: {"dist", "files"} of vLLM's connector files checked against RECORD before the
+    # tests ran; {} when the cell never reached its tests
+    integrity: dict = dataclasses.field(default_factory=dict)
     started: str | None = None
     finished: str | None = None
     schema: int = SCHEMA
@@ -100,32 +112,120 @@ def write_result(results_dir: Path, result: CellResult) -> Path:
     return path
 
 
+class UnreadableResultError(ValueError):
+    """Why a file is not a result this kvcompat can read; the message completes "results/x.json …"."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UnreadableResult:
+    """A file where a cell's result should be that this kvcompat cannot read: its cell counts as not run."""
+
+    path: Path
+    reason: str  # completes "<path> …", e.g. "was written by an older kvcompat (result schema 1; …)"
+
+    @property
+    def cell_id(self) -> str:
+        return self.path.stem
+
+    def line(self) -> str:
+        """One line naming the file, what is wrong with it, and the fix."""
+        fix = (
+            "update kvcompat, or rerun the cell"
+            if "newer kvcompat" in self.reason
+            else "rerun the cell (`nox -s matrix`) or delete the file"
+        )
+        return f"{self.path} {self.reason}; cell {self.cell_id} counts as not run: {fix}"
+
+
+def parse_result(text: str) -> CellResult:
+    """The result in ``text``; :class:`UnreadableResultError` saying why when it is not one this kvcompat reads."""
+    if not text.strip():
+        raise UnreadableResultError("is empty")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        body = text.strip()
+        if body.startswith("{") and not body.endswith("}"):  # a result is one JSON object: this one stops early
+            raise UnreadableResultError(f"is truncated (its JSON stops mid-value after {len(text)} bytes)") from None
+        raise UnreadableResultError(f"is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise UnreadableResultError(f"is not a kvcompat result (its JSON is a {type(data).__name__}, not an object)")
+    if "schema" not in data:
+        missing = [k for k in ("cell", "outcome") if k not in data]
+        if missing:
+            raise UnreadableResultError(f"is not a kvcompat result (no {', '.join(map(repr, ['schema', *missing]))})")
+        raise UnreadableResultError("has no result schema version (written by a kvcompat from before result schemas)")
+    schema = data["schema"]
+    if not isinstance(schema, int) or isinstance(schema, bool):
+        raise UnreadableResultError(f"has result schema {schema!r}, which is not a schema version number")
+    if schema < SCHEMA:
+        raise UnreadableResultError(
+            f"was written by an older kvcompat (result schema {schema}; this kvcompat reads schema {SCHEMA})"
+        )
+    if schema > SCHEMA:
+        raise UnreadableResultError(
+            f"was written by a newer kvcompat (result schema {schema}; this kvcompat reads schema {SCHEMA})"
+        )
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise UnreadableResultError(f"is not a complete result (no {', '.join(map(repr, missing))})")
+    if not isinstance(data["cell"], dict) or not isinstance(data["cell"].get("id"), str):
+        raise UnreadableResultError("is not a complete result (its 'cell' has no id)")
+    try:
+        return CellResult.from_json(data)
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:  # e.g. an outcome this kvcompat does not know
+        raise UnreadableResultError(f"is not a complete result ({exc})") from None
+
+
+def check_result(path: Path) -> CellResult | UnreadableResult | None:
+    """The result at ``path``; what is wrong with it when it is unreadable; None when it is absent."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return UnreadableResult(path, f"cannot be read ({exc.strerror or exc})")
+    try:
+        return parse_result(text)
+    except UnreadableResultError as exc:
+        return UnreadableResult(path, str(exc))
+
+
 def read_result(path: Path) -> CellResult | None:
     """The result at ``path``, or None if it is absent or not a complete result file."""
-    try:
-        data = json.loads(path.read_text())
-        if data.get("schema") != SCHEMA:
-            return None
-        return CellResult.from_json(data)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    found = check_result(path)
+    return found if isinstance(found, CellResult) else None
 
 
-def load_results(*dirs: Path) -> list[CellResult]:
-    """Every complete result under ``dirs`` (searched recursively, so artifacts from many machines merge).
+def scan_results(*dirs: Path) -> tuple[list[CellResult], list[UnreadableResult]]:
+    """Every complete result under ``dirs`` (searched recursively, so artifacts from many machines merge),
+    and every ``*.json`` there that is not one.
 
     When the same cell appears twice, the most recently finished result wins.
     """
     by_id: dict[str, CellResult] = {}
+    unreadable: list[UnreadableResult] = []
     for d in dirs:
         for path in sorted(d.rglob("*.json")) if d.is_dir() else []:
-            result = read_result(path)
-            if result is None:
+            if any(path.match(pattern) for pattern in NOT_CELL_RESULTS):
                 continue
-            old = by_id.get(result.id)
-            if old is None or (result.finished or "") >= (old.finished or ""):
-                by_id[result.id] = result
-    return list(by_id.values())
+            if path.name.startswith("mutants-"):  # a mutation session's verdicts (kvcompat.report.mutants reads them)
+                continue
+            found = check_result(path)
+            if isinstance(found, UnreadableResult):
+                unreadable.append(found)
+                continue
+            if found is None:  # removed while we looked
+                continue
+            old = by_id.get(found.id)
+            if old is None or (found.finished or "") >= (old.finished or ""):
+                by_id[found.id] = found
+    return list(by_id.values()), unreadable
+
+
+def load_results(*dirs: Path) -> list[CellResult]:
+    """Every complete result under ``dirs`` (see :func:`scan_results`)."""
+    return scan_results(*dirs)[0]
 
 
 def tail(text: str, chars: int = LOG_TAIL_CHARS) -> str:

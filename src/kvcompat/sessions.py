@@ -8,6 +8,7 @@ its result; printing and exit codes belong to the two front doors.
 from __future__ import annotations
 
 import fcntl
+import sys
 import zipfile
 from argparse import Namespace
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from kvcompat.cells import Cell, load_cells, resolve_cells
 from kvcompat.matrix import Entry
 from kvcompat.report.model import Report, build_report
 from kvcompat.report.write import write_reports
-from kvcompat.results import CellResult, read_result, result_path
+from kvcompat.results import CellResult, UnreadableResult, check_result, result_path
 from kvcompat.run.options import RunOptions
 from kvcompat.run.workflow import run_cell
 
@@ -56,8 +57,11 @@ def run_matrix_cell(root: Path, cell: Cell, opts: RunOptions, progress: Callable
     return run_cell(cell, cell_venv(root, cell), opts, progress=progress)
 
 
-def update_report(root: Path, dirs: list[Path], summary_file: Path | None = None) -> tuple[Report, list[Path]]:
-    """Rebuild reports/ from result folders, under a lock.
+def update_report(
+    root: Path, dirs: list[Path], summary_file: Path | None = None, warn: Callable[[str], None] | None = None
+) -> tuple[Report, list[Path]]:
+    """Rebuild reports/ from result folders, under a lock; ``warn`` (default: stderr) gets one line per
+    result file that could not be read (its cell counts as not run).
 
     Parallel cells (nox -j) each call this after writing their own result; the
     lock makes read-all-results-then-write atomic, so the last cell to finish
@@ -68,7 +72,13 @@ def update_report(root: Path, dirs: list[Path], summary_file: Path | None = None
     with open(out / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         rep = build_report(dirs, previous=out / "compat.json")
+        for bad in rep.unreadable:
+            (warn or _warn)(bad.line())
         return rep, write_reports(rep, out, summary_file=summary_file)
+
+
+def _warn(line: str) -> None:
+    print(f"kvcompat: warning: {line}", file=sys.stderr)
 
 
 def report_dirs(root: Path, args: list[str]) -> list[Path]:
@@ -91,7 +101,9 @@ def find_result(root: Path, name: str) -> CellResult:
     from kvcompat.results import load_results
 
     results = load_results(root / "results")
-    exact = read_result(result_path(root / "results", name))
+    exact = check_result(result_path(root / "results", name))
+    if isinstance(exact, UnreadableResult):
+        raise KvcompatError(exact.line())
     if exact is not None:
         return exact
     matches = [r for r in results if name in r.id]
@@ -136,8 +148,9 @@ def list_cells(root: Path, cells: list[Cell]) -> str:
     """The cells of a matrix: id, nox session, tags and the last verdict, one line each."""
     lines = []
     for cell in cells:
-        result = read_result(result_path(root / "results", cell.id))
-        status = result.outcome.label if result else "not run"
+        result = check_result(result_path(root / "results", cell.id))
+        status = result.outcome.label if isinstance(result, CellResult) else "not run"
+        status += " (unreadable result)" if isinstance(result, UnreadableResult) else ""
         lines.append(f'{cell.id:45} {status:14} nox -s "matrix({cell.nox_id})"   tags: {" ".join(cell.tags)}')
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from kvcompat.report import notrun
 from kvcompat.report.model import Report
 
 
@@ -30,6 +31,7 @@ def render_json(rep: Report) -> str:
             "changes": rep.changes(),
             "outcomes": rep.outcomes(),
             "cells": [r.to_json() for r in rep.results],
+            "not_run": notrun.data(rep),  # cells whose result file could not be read
         },
         indent=2,
         sort_keys=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
-from kvcompat.results import CellResult, TestResult, count_tests, load_results
+from kvcompat.results import CellResult, TestResult, UnreadableResult, count_tests, scan_results
 
 BAD_TESTS = (TestOutcome.FAILED, TestOutcome.ERROR)
 
@@ -124,10 +124,18 @@ class Report:
     previous: dict[str, str] = dataclasses.field(
         default_factory=dict
     )  # "gridkey::nodeid" -> outcome, from the last report
+    # result files that could not be read (truncated, another schema, not a result): never dropped silently
+    unreadable: list[UnreadableResult] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.cells = [gc for r in self.results for gc in grid_cells(r)]
         self.multi_suite = len({gc.suite_label for gc in self.cells}) > 1
+
+    @property
+    def not_run(self) -> list[UnreadableResult]:
+        """The unreadable files whose cell has no readable result elsewhere: those cells count as not run."""
+        ran = {r.id for r in self.results}
+        return [u for u in self.unreadable if u.cell_id not in ran]
 
     def column(self, gc: GridCell) -> str:
         return f"{gc.torch_label} · {gc.suite_label}" if self.multi_suite else gc.torch_label
@@ -233,4 +241,5 @@ def build_report(dirs: list[Path], previous: Path | None = None) -> Report:
             prev = json.loads(previous.read_text()).get("outcomes", {})
         except ValueError:
             prev = {}
-    return Report(results=load_results(*dirs), generated=now, previous=prev)
+    results, unreadable = scan_results(*dirs)
+    return Report(results=results, generated=now, previous=prev, unreadable=unreadable)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvcompat.atomic import write_atomic
+from kvcompat.report import notrun
 from kvcompat.report.jsonfile import render_json
 from kvcompat.report.junit import render_junit
 from kvcompat.report.markdown import render_markdown
@@ -16,12 +17,12 @@ SUMMARY_LIMIT = 1024 * 1024  # GitHub's job-summary cap
 
 def write_reports(rep: Report, out_dir: Path, summary_file: Path | None = None) -> list[Path]:
     """Write reports/compat.*; with ``summary_file`` (GitHub's $GITHUB_STEP_SUMMARY) append the Markdown there too."""
-    md = render_markdown(rep)
+    md = _after_title(render_markdown(rep), notrun.markdown(rep))
     paths = {
         out_dir / "compat.json": render_json(rep),
         out_dir / "compat.md": md,
-        out_dir / "compat.xml": render_junit(rep),
-        out_dir / "compat.html": render_html(rep),
+        out_dir / "compat.xml": _before(render_junit(rep), "</testsuites>", notrun.junit(rep)),
+        out_dir / "compat.html": _before(render_html(rep), "</body>", notrun.html(rep)),
     }
     for path, text in paths.items():
         write_atomic(path, text)
@@ -33,3 +34,15 @@ def write_reports(rep: Report, out_dir: Path, summary_file: Path | None = None) 
         with open(summary_file, "ab") as fh:
             fh.write(data)
     return list(paths)
+
+
+# The cells not run (kvcompat.report.notrun) go into each rendering at a fixed landmark, so every
+# renderer stays about readable results only.
+def _after_title(md: str, section: str) -> str:
+    title, sep, rest = md.partition("\n\n")
+    return title + sep + section + rest if section else md
+
+
+def _before(text: str, landmark: str, section: str) -> str:
+    head, sep, tail = text.rpartition(landmark)
+    return head + section + sep + tail if section and sep else text

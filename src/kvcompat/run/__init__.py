@@ -6,6 +6,7 @@
 * process     commands in their own process group, streamed, killable
 * resolve     phase 1: the lock, the cache key, the unchanged fast path
 * install     phase 2: the venv from the lock (and the disk check before it)
+* integrity   before the tests: vLLM's connector files match their RECORD hashes, or no verdict
 * suites      phase 3: pytest with the in-cell plugin, the import probe
 * record      the result file, whatever ended the run
 * workflow    the phases in order, and run_cell

@@ -28,6 +28,7 @@ class Installed:
     resolved: Resolved
     versions: dict[str, str]
     abi: dict = dataclasses.field(default_factory=dict)  # kvcompat.abi.AbiVerdict.to_json(), {} if not checked
+    integrity: dict = dataclasses.field(default_factory=dict)  # kvcompat.run.integrity, set when the check passed
 
 
 def check_disk(ctx: CellContext) -> None:

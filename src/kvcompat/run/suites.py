@@ -179,6 +179,7 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
                 f"import vllm did not finish in {ctx.opts.import_timeout_s:.0f}s",
                 versions=versions,
                 abi=installed.abi,
+                integrity=installed.integrity,
             )
         if rc != 0 or PROBE_MARK not in out.splitlines():
             # the tests stay in the result to read; the verdict is vLLM's import, not the connector
@@ -191,6 +192,7 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
                 python=python,
                 suites=info,
                 abi=installed.abi,
+                integrity=installed.integrity,
             )
     abi = installed.abi
     if abi.get("missing"):
@@ -213,6 +215,7 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
         resolved_at=resolved.resolved_at,
         suites=info,
         abi=abi,
+        integrity=installed.integrity,
     )
 
 

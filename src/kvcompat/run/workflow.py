@@ -1,6 +1,6 @@
 """A cell run as a list of phases: each takes the previous one's result; a CellResult ends the run.
 
-    begin → resolve → install → suites
+    begin → resolve → install → integrity → suites
 
 Every phase that fails ends the run with its own outcome (unresolvable, install
 error, import error, timeout, test error/fail) through :func:`record.finish`, so a
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvcompat.cells import Cell
-from kvcompat.results import CellResult, read_result
-from kvcompat.run import install, record, resolve, suites
+from kvcompat.results import CellResult, UnreadableResult, check_result
+from kvcompat.run import install, integrity, record, resolve, suites
 from kvcompat.run.context import CellContext
 from kvcompat.run.options import RunOptions
 from kvcompat.run.process import reap_leftover
@@ -31,7 +31,10 @@ class _Begun:
 
 def begin(ctx: CellContext, _: None) -> _Begun | CellResult:
     """Answer an unchanged cell from its result file; otherwise start the log and check the disk."""
-    cached = read_result(ctx.files.result)
+    found = check_result(ctx.files.result)
+    if isinstance(found, UnreadableResult):  # never an answer: the cell runs and its result replaces the file
+        ctx.say(f"{found.path} {found.reason}: running the cell")
+    cached = found if isinstance(found, CellResult) else None
     if resolve.unchanged(ctx, cached):
         return record.reuse(ctx, cached)
     ctx.files.start_log(f"# kvcompat cell {ctx.cell.id} started {ctx.started}")
@@ -44,7 +47,7 @@ def _resolve(ctx: CellContext, begun: _Begun) -> resolve.Resolved | CellResult:
     return resolve.phase(ctx, begun.cached)
 
 
-PHASES: tuple[Callable, ...] = (begin, _resolve, install.phase, suites.phase)
+PHASES: tuple[Callable, ...] = (begin, _resolve, install.phase, integrity.phase, suites.phase)
 
 
 def run_phases(ctx: CellContext) -> CellResult:

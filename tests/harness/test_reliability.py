@@ -1,0 +1,248 @@
+"""Reliability, round 2 (issue 16): bad result files, two runs of one cell, a download cut mid-wheel,
+a disk that fills during the install, a hand-edited venv, hostile matrix input.
+
+Each test names the fault it tries; the slow ones run real cells (fake vLLM wheels, real uv and
+pytest) or real nox on a throwaway project.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from kvcompat.cells import Cell
+from kvcompat.outcomes import Outcome
+from kvcompat.report.model import build_report
+from kvcompat.report.write import write_reports
+from kvcompat.results import SCHEMA, UnreadableResult, check_result, result_path, write_result
+from kvcompat.run import integrity
+from kvcompat.run.options import RunOptions
+from kvcompat.run.workflow import run_cell
+
+from helpers import REPO, build_project, make_result, one_line_error, run_nox
+
+SUITE = """
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
+
+def test_first_wins():
+    assert first_wins([0, 3]) == 1
+"""
+
+
+# Fake cells need a few MB: these tests are about other faults than a disk short of a real cell's 15 GiB.
+SMALL_CELL_GB = "0.1"
+
+
+def run_options(tmp_path: Path, suite: Path, **kw) -> RunOptions:
+    kw.setdefault("min_free_gb", float(SMALL_CELL_GB))
+    return RunOptions(repo=REPO, results_dir=tmp_path / "results", suite=str(suite), work_dir=tmp_path / "work", **kw)
+
+
+def wheel_cell(wheel: Path) -> Cell:
+    return Cell(vllm="0.0.1", torch="none", wheel=wheel)
+
+
+# -- 1. a corrupt or foreign results file ------------------------------------------------------------
+
+
+def bad_result_files(results):
+    """One good result, and one file per way a result can be unreadable: {cell id: what its line must say}."""
+    good = make_result("0.33.0", "2.14.0", Outcome.PASS, [("test_load", "passed", None)], "1/1 tests passed")
+    path = write_result(results, good)
+    text = path.read_text()
+    data = json.loads(text)
+    bad = {
+        "truncated": (text[: len(text) // 2], "is truncated (its JSON stops mid-value after"),
+        "not-json": ("{'cell': nope}\n", "is not valid JSON (Expecting property name"),
+        "schema-99": (json.dumps({**data, "schema": 99}), "was written by a newer kvcompat (result schema 99;"),
+        "schema-1": (json.dumps({**data, "schema": 1}), "was written by an older kvcompat (result schema 1;"),
+        "no-schema": (json.dumps({k: v for k, v in data.items() if k != "schema"}), "has no result schema version"),
+        "foreign": (json.dumps(["not", "a", "result"]), "is not a kvcompat result (its JSON is a list"),
+        "half-result": (
+            json.dumps({"schema": SCHEMA, "outcome": "pass"}),
+            "is not a complete result (no 'cell', 'detail')",
+        ),
+        "unknown-outcome": (json.dumps({**data, "outcome": "green"}), "is not a complete result ('green' is not"),
+        "empty": ("", "is empty"),
+    }
+    for cell_id, (body, _) in bad.items():
+        result_path(results, cell_id).write_text(body)
+    (results / "mutants-vllm-0.33.0__torch-2.14.0.json").write_text("{}")  # kvcompat.mutation's: not a cell's
+    return good, {cell_id: needle for cell_id, (_, needle) in bad.items()}
+
+
+def test_unreadable_result_files_are_named_and_their_cells_count_as_not_run(tmp_path):
+    """Fault 1, harness: each bad file is named with its reason; the report is built from the rest and
+    shows every bad file's cell as not run, in every format, never green and never missing."""
+    results = tmp_path / "results"
+    good, bad = bad_result_files(results)
+    rep = build_report([results])
+    assert [r.id for r in rep.results] == [good.id]
+    reasons = {u.cell_id: u for u in rep.unreadable}
+    assert sorted(reasons) == sorted(bad)
+    for cell_id, needle in bad.items():
+        line = reasons[cell_id].line()
+        assert needle in line and str(result_path(results, cell_id)) in line, line
+        assert "\n" not in line and f"cell {cell_id} counts as not run: " in line
+    assert "update kvcompat" in reasons["schema-99"].line() and "delete the file" in reasons["truncated"].line()
+    assert [u.cell_id for u in rep.not_run] == [u.cell_id for u in rep.unreadable]
+
+    paths = write_reports(rep, tmp_path / "reports")
+    md, html, xml, data = (p.read_text() for p in paths_by_suffix(paths, ".md", ".html", ".xml", ".json"))
+    not_run_md = md.split("## Not run: unreadable result files")[1].split("\n## ")[0]
+    for cell_id in bad:
+        assert f"**{cell_id}**" in not_run_md
+        assert cell_id in html.split('class="not-run"')[1]
+    # JUnit: the good cell's suite, and one error per cell not run, so CI shows them red
+    tree = ET.fromstring(xml)
+    not_run = tree.find("testsuite[@name='not run']")
+    assert not_run is not None and not_run.get("errors") == str(len(bad))
+    assert sorted(c.get("classname") for c in not_run) == sorted(bad)
+    assert all(c.find("error") is not None for c in not_run)
+    report = json.loads(data)
+    assert sorted(x["cell"] for x in report["not_run"]) == sorted(bad)
+    assert [g["cell"] for g in report["grid"]] == [good.id]  # no bad cell sits in the grid, green or otherwise
+    assert report["totals"]["pass"] == 1
+
+
+def test_a_bad_copy_of_a_cell_does_not_hide_its_readable_result(tmp_path):
+    """Fault 1, harness: results merged from two machines, one copy truncated: the good copy stands, the bad
+    file is still named."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    good = make_result("0.33.0", "2.14.0", Outcome.PASS, [("test_load", "passed", None)])
+    write_result(a, good)
+    result_path(b, good.id).parent.mkdir(parents=True)
+    result_path(b, good.id).write_text(result_path(a, good.id).read_text()[:100])
+    rep = build_report([a, b])
+    assert [r.id for r in rep.results] == [good.id]
+    assert [u.path for u in rep.unreadable] == [result_path(b, good.id)] and rep.not_run == []
+
+
+def test_results_carry_their_schema_and_only_that_schema_is_read(tmp_path):
+    path = write_result(tmp_path, make_result())
+    assert json.loads(path.read_text())["schema"] == SCHEMA
+    assert check_result(path).outcome is Outcome.PASS
+    assert check_result(tmp_path / "absent.json") is None
+    path.write_text(json.dumps({**json.loads(path.read_text()), "schema": SCHEMA - 1}))
+    assert isinstance(check_result(path), UnreadableResult)
+
+
+@pytest.mark.slow
+def test_nox_report_names_each_bad_file_in_one_line(tmp_path):
+    """Fault 1, through real nox: `nox -s report` warns once per bad file and writes the report from the rest."""
+    project = build_project(tmp_path / "proj", SUITE)
+    _, bad = bad_result_files(project / "results")
+    proc = run_nox(project, "-s", "report")
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvcompat: warning: ")]
+    assert len(warnings) == len(bad), proc.stderr
+    for cell_id, needle in bad.items():
+        assert sum(f"{cell_id}.json {needle}" in w for w in warnings) == 1, (cell_id, warnings)
+    assert "pass 1/1" in proc.stdout  # the grid, from the one good file
+    assert "## Not run: unreadable result files" in (project / "reports" / "compat.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_cell_whose_result_file_is_corrupt_runs_again(tmp_path, fake_wheel, make_suite):
+    """Fault 1, harness: a truncated result is never an answer for its cell: the cell runs and rewrites it."""
+    options, cell, lines = run_options(tmp_path, make_suite(test_ok=SUITE)), wheel_cell(fake_wheel()), []
+    first = run_cell(cell, tmp_path / "venv", options, progress=lambda s: None)
+    assert first.outcome is Outcome.PASS
+    result_path(options.results_dir, cell.id).write_text('{"schema": 2, "cell": {"id"')
+    again = run_cell(cell, tmp_path / "venv", options, progress=lines.append)
+    assert any("is truncated (its JSON stops mid-value after" in ln and "running the cell" in ln for ln in lines)
+    assert again.outcome is Outcome.PASS and again.finished >= first.finished
+    assert check_result(result_path(options.results_dir, cell.id)).outcome is Outcome.PASS
+
+
+# -- 5. a hand-edited venv ---------------------------------------------------------------------------
+
+CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"
+
+
+def site_packages(venv: Path) -> Path:
+    return next(venv.glob("lib/python*/site-packages"))
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Edit a venv file without writing through its hardlink: uv's cache (shared by other tests) stays intact."""
+    path.unlink()
+    path.write_text(text)
+
+
+@pytest.mark.slow
+def test_a_hand_edited_venv_refuses_to_run_and_is_never_a_pass(tmp_path, fake_wheel, make_suite):
+    """Fault 5, harness: after a passing run, the connector file is edited (first_wins made to always say 1):
+    the rerun refuses before any test, naming the file and the fix, and the result becomes an install error."""
+    options, cell = run_options(tmp_path, make_suite(test_ok=SUITE), force=True), wheel_cell(fake_wheel())
+    venv = tmp_path / "venv"
+    first = run_cell(cell, venv, options, progress=lambda s: None)
+    assert first.outcome is Outcome.PASS and first.integrity == {"dist": "vllm", "files": 4}
+    site = site_packages(venv)
+    replace_file(site / CONNECTOR, "def first_wins(children):\n    return 1\n")
+    lines: list[str] = []
+    with pytest.raises(integrity.EditedVenvError) as refused:
+        run_cell(cell, venv, options, progress=lines.append)
+    message = str(refused.value)
+    assert "edited: kv_connector/v1/multi_connector.py under vllm/distributed/kv_transfer/" in message, message
+    assert f"delete the venv (rm -rf {venv}), then rerun" in message and "\n" not in message
+    assert not any("test …" in ln for ln in lines)  # refused before pytest started
+    on_disk = check_result(result_path(options.results_dir, cell.id))
+    assert on_disk.outcome is Outcome.INSTALL_ERROR and on_disk.detail == message
+
+    # The edit went through a hardlink (as an in-place edit of a uv-installed file does): uv's copy is edited too.
+    (tmp_path / "uv-cache-copy.py").hardlink_to(site / CONNECTOR)
+    with pytest.raises(integrity.EditedVenvError, match=r"uv cache clean vllm; other venvs of this release share it"):
+        run_cell(cell, venv, options, progress=lambda s: None)
+
+    # Deleting the venv, as the message says, mends it: the release's files are back and the cell passes.
+    import shutil
+
+    shutil.rmtree(venv)
+    assert run_cell(cell, venv, options, progress=lambda s: None).outcome is Outcome.PASS
+
+
+def test_record_check_names_edited_missing_and_added_files(tmp_path, fake_wheel):
+    """Fault 5, harness: the check itself, on an unpacked fake wheel (no venv needed)."""
+    import zipfile
+
+    site = tmp_path / "site"
+    zipfile.ZipFile(fake_wheel()).extractall(site)
+    assert integrity.check(site, "vllm").ok
+    (site / CONNECTOR).write_text("# edited\n")
+    (site / "vllm/distributed/kv_transfer/__init__.py").unlink()
+    (site / "vllm/distributed/kv_transfer/kv_connector/v1/extra.py").write_text("X = 1\n")
+    (site / "vllm/distributed/kv_transfer/__pycache__").mkdir()
+    (site / "vllm/distributed/kv_transfer/__pycache__/x.cpython-311.pyc").write_bytes(b"written by every run")
+    verdict = integrity.check(site, "vllm")
+    assert (verdict.edited, verdict.missing, verdict.added) == (
+        [CONNECTOR],
+        ["vllm/distributed/kv_transfer/__init__.py"],
+        ["vllm/distributed/kv_transfer/kv_connector/v1/extra.py"],
+    )
+    line = integrity.refusal(verdict, tmp_path / "venv")
+    assert (
+        "edited: kv_connector/v1/multi_connector.py; missing: __init__.py; not in RECORD: kv_connector/v1/extra.py"
+        in line
+    )
+    assert not integrity.check(tmp_path / "empty", "vllm").ok  # no RECORD at all: nothing to trust
+
+
+@pytest.mark.slow
+def test_nox_matrix_on_an_edited_venv_is_one_line_and_exit_2(tmp_path):
+    """Fault 5, through real nox: the edited cell refuses in one line (exit 2); the report does not show it green."""
+    project = build_project(tmp_path / "proj", SUITE, versions=("0.0.1",))
+    assert run_nox(project, "-s", "matrix", "--", f"--min-free-gb={SMALL_CELL_GB}").returncode == 0
+    venv = next((project / ".kvcompat" / "venvs").iterdir())
+    replace_file(site_packages(venv) / CONNECTOR, "def first_wins(children):\n    return 1\n")
+    err = one_line_error(run_nox(project, "-s", "matrix", "--", "--force", f"--min-free-gb={SMALL_CELL_GB}"))
+    assert "edited: kv_connector/v1/multi_connector.py" in err and f"rm -rf {venv}" in err, err
+    report = run_nox(project, "-s", "report")
+    assert "install error" in report.stdout and "pass" not in report.stdout, report.stdout
+
+
+def paths_by_suffix(paths, *suffixes):
+    return [next(p for p in paths if p.suffix == s) for s in suffixes]
