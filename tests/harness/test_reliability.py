@@ -18,7 +18,7 @@ from kvcompat.outcomes import Outcome
 from kvcompat.report.model import build_report
 from kvcompat.report.write import write_reports
 from kvcompat.results import SCHEMA, UnreadableResult, check_result, result_path, write_result
-from kvcompat.run import integrity
+from kvcompat.run import integrity, lock
 from kvcompat.run.options import RunOptions
 from kvcompat.run.workflow import run_cell
 
@@ -156,6 +156,70 @@ def test_a_cell_whose_result_file_is_corrupt_runs_again(tmp_path, fake_wheel, ma
     assert any("is truncated (its JSON stops mid-value after" in ln and "running the cell" in ln for ln in lines)
     assert again.outcome is Outcome.PASS and again.finished >= first.finished
     assert check_result(result_path(options.results_dir, cell.id)).outcome is Outcome.PASS
+
+
+# -- 2. two runs of the same cell at once ---------------------------------------------------------------
+
+HANGING_SUITE = """
+import os, time
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
+
+def test_first_wins():
+    if os.environ.get("KVCOMPAT_TEST_HANG"):
+        open(os.environ["KVCOMPAT_TEST_HANG"], "w").write(str(os.getpid()))
+        time.sleep(600)
+    assert first_wins([0, 3]) == 1
+"""
+
+
+def test_a_cell_held_by_another_run_refuses_before_touching_anything(tmp_path, fake_wheel, make_suite):
+    """Fault 2, harness: while the cell's lock is held, a run refuses at once and writes nothing."""
+    options, cell, venv = run_options(tmp_path, make_suite(test_ok=SUITE)), wheel_cell(fake_wheel()), tmp_path / "venv"
+    with lock.held(venv, cell.id):
+        with pytest.raises(lock.CellBusyError) as busy:
+            run_cell(cell, venv, options, progress=lambda s: None)
+    message = str(busy.value)
+    assert f"cell {cell.id} is being run by pid {__import__('os').getpid()} on " in message and "\n" not in message
+    assert "wait for that run to finish or stop it, then rerun" in message
+    assert not venv.exists() and not (options.results_dir).exists() and not (tmp_path / "work").exists()
+
+
+@pytest.mark.slow
+def test_two_nox_matrix_runs_at_once_never_share_a_venv(tmp_path):
+    """Fault 2, through real nox: a second `nox -s matrix` while the first is inside the cell's pytest
+    exits 2 in one line naming the first run; after the first is killed (SIGKILL: no cleanup at all),
+    the cell runs again and passes."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from helpers import nox_command
+
+    project = build_project(tmp_path / "proj", HANGING_SUITE, versions=("0.0.1",))
+    pidfile = tmp_path / "hung.pid"
+    first = subprocess.Popen(
+        nox_command(project, "-s", "matrix", "--", f"--min-free-gb={SMALL_CELL_GB}"),
+        cwd=project,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "KVCOMPAT_TEST_HANG": str(pidfile)},
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pidfile.exists(), "the first run never reached its pytest"
+        second = run_nox(project, "-s", "matrix", "--", f"--min-free-gb={SMALL_CELL_GB}")
+        err = one_line_error(second)
+        assert f"is being run by pid {first.pid} on " in err and "(`nox -f " in err and "-s matrix" in err, err
+        assert "install …" not in second.stdout + second.stderr  # it never touched the venv
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    third = run_nox(project, "-s", "matrix", "--", f"--min-free-gb={SMALL_CELL_GB}")
+    assert third.returncode == 0, third.stdout + third.stderr
 
 
 # -- 5. a hand-edited venv ---------------------------------------------------------------------------

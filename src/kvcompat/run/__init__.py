@@ -9,5 +9,6 @@
 * integrity   before the tests: vLLM's connector files match their RECORD hashes, or no verdict
 * suites      phase 3: pytest with the in-cell plugin, the import probe
 * record      the result file, whatever ended the run
+* lock        one run per cell venv at a time
 * workflow    the phases in order, and run_cell
 """

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvcompat.cells import Cell
 from kvcompat.results import CellResult, UnreadableResult, check_result
-from kvcompat.run import install, integrity, record, resolve, suites
+from kvcompat.run import install, integrity, lock, record, resolve, suites
 from kvcompat.run.context import CellContext
 from kvcompat.run.options import RunOptions
 from kvcompat.run.process import reap_leftover
@@ -66,13 +66,15 @@ def _interrupt(signum, frame):  # noqa: ARG001
 def run_cell(cell: Cell, venv: Path, opts: RunOptions, progress: Callable[[str], None] = print) -> CellResult:
     """Run ``cell`` in ``venv`` (created if missing) and write results/<cell-id>.json.
 
+    Another live run of the same venv makes this one refuse (kvcompat.run.lock.CellBusyError).
     SIGTERM is handled like Ctrl-C while the cell runs: the cell's process group (its own
     session, so the terminal's signals miss it) is killed instead of left running.
     """
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     try:
-        return run_phases(CellContext(cell, venv, opts, progress))
+        with lock.held(venv, cell.id):  # one run per venv: never two installs into one
+            return run_phases(CellContext(cell, venv, opts, progress))
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)
