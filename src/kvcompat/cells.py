@@ -34,6 +34,10 @@ AS_RELEASED_GRACE = dt.timedelta(days=3)
 UPSTREAM_TEST_REQUIREMENTS = ["tblib", "ray"]  # every surveyed vLLM release (0.8.5-0.34) accepts 3.11
 # Each built against one torch release and pinning it exactly: an override cell's must match its torch.
 TORCH_COMPANIONS = ("torchvision", "torchaudio")
+# A range is expanded into cells when the matrix loads, and every cell asks the index for its torch pin
+# (about 3 s each, on every `nox -l`) and would take a venv of ~10 GB: a range matching hundreds of
+# releases is a typo, not a plan.  50 holds every vLLM minor from 0.11 on at one patch each, twice over.
+MAX_RANGE_RELEASES = 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +174,14 @@ def expand_versions(entry: Entry, available: Callable[[str], list[Version]]) -> 
             )
         return [(str(entry.vllm), None)]
     spec: SpecifierSet = entry.vllm
-    return [(str(v), None) for v in spec.filter(available(entry.dist), prereleases=entry.pre)]
+    matched = list(spec.filter(available(entry.dist), prereleases=entry.pre))
+    if len(matched) > MAX_RANGE_RELEASES:
+        raise MatrixError(
+            f"{entry.dist}{spec} matches {len(matched)} releases ({matched[0]} .. {matched[-1]}), more than the "
+            f"{MAX_RANGE_RELEASES} one range may expand to; narrow it (e.g. >={matched[-MAX_RANGE_RELEASES]}) "
+            "or list the releases you mean"
+        )
+    return [(str(v), None) for v in matched]
 
 
 def resolve_cells(
@@ -226,7 +237,7 @@ def load_cells(root: Path, matrix: str, *, index_url: str, find_links: tuple[str
     """The cells of matrix ``matrix`` (see :func:`kvcompat.matrix.matrix_source`) of the project at ``root``."""
     source, name = matrix_source(root, matrix)
     return resolve_cells(
-        load_matrix(source, name),
+        load_matrix(source, name, project=root),
         constraints_dir=root / "constraints",
         cache_root=root,
         index_url=index_url,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.utils import canonicalize_name
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from kvcompat.errors import KvcompatError
@@ -28,6 +28,8 @@ ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner", "suites", "overr
 ENVIRONMENTS = ("today", "as-released")
 SUITES = ("ours", "upstream")
 RUNNERS = ("cpu", "gpu")
+# What a local wheel's path may hold: it becomes a line of uv's requirements file (see parse_vllm_spec).
+SAFE_PATH = re.compile(r"[A-Za-z0-9._+/-]+")
 
 
 class MatrixError(KvcompatError):
@@ -63,8 +65,11 @@ def matrix_source(root: Path, value: str) -> tuple[Path, str]:
     return (root / path if not Path(path).is_absolute() else Path(path)), name or "default"
 
 
-def load_matrix(source: Path, name: str = "default") -> list[Entry]:
-    """Read matrix ``name`` from ``source`` (a pyproject.toml or a matrix TOML file)."""
+def load_matrix(source: Path, name: str = "default", *, project: Path | None = None) -> list[Entry]:
+    """Read matrix ``name`` from ``source`` (a pyproject.toml or a matrix TOML file).
+
+    With ``project``, local wheels must lie inside it (see :func:`parse_vllm_spec`).
+    """
     if not source.is_file():
         raise MatrixError(f"matrix file {source} does not exist; pass an existing TOML file")
     try:
@@ -84,10 +89,13 @@ def load_matrix(source: Path, name: str = "default") -> list[Entry]:
     raw = tables[name]
     if not isinstance(raw, list) or not raw:
         raise MatrixError(f'matrix {name!r} in {source} must be a non-empty list of entries like {{ vllm = "0.33.0" }}')
-    return [parse_entry(item, where=f"{source}:{name}[{i}]", base=source.parent) for i, item in enumerate(raw)]
+    return [
+        parse_entry(item, where=f"{source}:{name}[{i}]", base=source.parent, project=project)
+        for i, item in enumerate(raw)
+    ]
 
 
-def parse_entry(item: object, *, where: str, base: Path) -> Entry:
+def parse_entry(item: object, *, where: str, base: Path, project: Path | None = None) -> Entry:
     """Validate one raw entry (a dict from TOML)."""
     if isinstance(item, str):
         item = {"vllm": item}
@@ -109,12 +117,18 @@ def parse_entry(item: object, *, where: str, base: Path) -> Entry:
     runner = item.get("runner", "cpu")
     if runner not in RUNNERS:
         raise MatrixError(f"{where}: runner {runner!r} is not supported; use one of {RUNNERS}")
+    pre = item.get("pre", False)
+    if not isinstance(pre, bool):
+        raise MatrixError(f"{where}: pre must be true or false, got {pre!r}")
+    vllm = parse_vllm_spec(item["vllm"], where=where, base=base, project=project)
+    if isinstance(vllm, Path):
+        check_wheel_name(vllm, dist, where=where)
     return Entry(
-        vllm=parse_vllm_spec(item["vllm"], where=where, base=base),
+        vllm=vllm,
         dist=dist,
         torch=_parse_axis(item.get("torch", "pinned"), where=where, key="torch", keyword="pinned"),
         nixl=_parse_axis(item.get("nixl", NIXL_FAKE), where=where, key="nixl", keyword=NIXL_FAKE),
-        pre=bool(item.get("pre", False)),
+        pre=pre,
         runner=runner,
         suites=tuple(dict.fromkeys(suites)),
         overrides=parse_overrides(item.get("overrides", []), where=where),
@@ -159,13 +173,32 @@ def parse_overrides(value: object, *, where: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def parse_vllm_spec(spec: object, *, where: str, base: Path) -> Version | SpecifierSet | Path:
-    """``"0.33.0"``, ``"==0.33.0"`` and ``"vllm==0.33.0"`` are releases; ``">=0.30,<0.34"`` a range."""
+def parse_vllm_spec(
+    spec: object, *, where: str, base: Path, project: Path | None = None
+) -> Version | SpecifierSet | Path:
+    """``"0.33.0"``, ``"==0.33.0"`` and ``"vllm==0.33.0"`` are releases; ``">=0.30,<0.34"`` a range.
+
+    A ``.whl`` path is relative to the matrix file and, with ``project``, must stay inside the project
+    (symlinks resolved): a matrix cannot point a cell at any file on the machine.  It goes to uv as a
+    line of a requirements file, so a character that could start another line or an option there
+    (whitespace, control characters, ``#``, ``;``) is refused before it gets that far.
+    """
     if not isinstance(spec, str) or not spec.strip():
         raise MatrixError(f"{where}: 'vllm' must be a non-empty string, got {spec!r}")
     spec = spec.strip()
     if spec.endswith(".whl"):
+        if not SAFE_PATH.fullmatch(spec):
+            bad = sorted({c for c in spec if not SAFE_PATH.fullmatch(c) and c not in "/"})
+            raise MatrixError(
+                f"{where}: wheel path {spec!r} has characters kvcompat does not pass to uv ({bad!r}); "
+                "rename it to letters, digits and . _ + - / only"
+            )
         path = (base / spec).resolve()
+        if project is not None and not path.is_relative_to(project.resolve()):
+            raise MatrixError(
+                f"{where}: wheel {spec} is {path}, outside the project {project.resolve()}; "
+                "copy it into the project (e.g. dist/) and point the entry there"
+            )
         if not path.is_file():
             raise MatrixError(f"{where}: wheel {spec} not found at {path}; build it or fix the path")
         return path
@@ -183,6 +216,21 @@ def parse_vllm_spec(spec: object, *, where: str, base: Path) -> Version | Specif
         raise MatrixError(
             f'{where}: {spec!r} is neither a version, a range nor a .whl path; write e.g. "0.33.0"'
         ) from None
+
+
+def check_wheel_name(path: Path, dist: str, *, where: str) -> None:
+    """A candidate wheel's file name must be a wheel name of the entry's distribution."""
+    try:
+        name, _, _, _ = parse_wheel_filename(path.name)
+    except (InvalidWheelFilename, InvalidVersion):
+        raise MatrixError(
+            f"{where}: {path.name} is not a wheel file name (name-version-python-abi-platform.whl); "
+            "point the entry at the wheel as built"
+        ) from None
+    if canonicalize_name(name) != canonicalize_name(dist):
+        raise MatrixError(
+            f"{where}: {path.name} is a wheel of {name}, not of {dist}; point the entry at a {dist} wheel"
+        )
 
 
 def _parse_axis(value: object, *, where: str, key: str, keyword: str) -> tuple[str, ...]:

