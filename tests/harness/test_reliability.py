@@ -233,6 +233,52 @@ def test_two_nox_matrix_runs_at_once_never_share_a_venv(tmp_path):
     assert third.returncode == 0, third.stdout + third.stderr
 
 
+# -- 3. a download cut mid-wheel ----------------------------------------------------------------------
+
+
+def release_on_http_index(tmp_path: Path, version: str = "99.0.0", blob_mb: int = 3) -> Path:
+    """A fake vLLM release of a few MB (random, so it does not compress) on an http_index folder."""
+    import os
+
+    from helpers import FAKE_CONNECTOR_FILES
+
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    blob = os.urandom(blob_mb * 2**20 // 2).hex()  # hex: a text file the size of blob_mb
+    wheel = build_wheel(folder, {**FAKE_CONNECTOR_FILES, "vllm/blob.txt": blob}, version=version)
+    http_index(tmp_path / "index", [wheel])
+    return tmp_path / "index"
+
+
+@pytest.mark.slow
+def test_a_download_cut_mid_wheel_is_retried_then_an_install_error_and_leaves_no_poisoned_cache(
+    tmp_path, make_suite, monkeypatch
+):
+    """Fault 3, harness: the index (HTTP on 127.0.0.1) closes every vLLM wheel download after 1 MB of its 6 MB.
+    The install is retried, then the cell is an install error naming the cut; with the same index healthy
+    again (same URLs, same uv cache), the next run passes."""
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "uv-cache"))  # its own cache, to see it is not poisoned
+    monkeypatch.setenv("UV_HTTP_RETRIES", "0")  # uv's own retries only slow this down; ours is the one tried
+    folder, suite, cell = release_on_http_index(tmp_path), make_suite(test_ok=SUITE), Cell(vllm="99.0.0", torch="none")
+    with IndexServer(folder, cut_after=2**20) as index:
+        options = run_options(tmp_path, suite, index_url=index.url)
+        lines: list[str] = []
+        cut = run_cell(cell, tmp_path / "venv", options, progress=lines.append)
+        port = index.url
+        assert cut.outcome is Outcome.INSTALL_ERROR, cut.detail
+        assert cut.detail == (
+            "install failed twice: Failed to download `vllm==99.0.0` (end of file before message length reached)"
+        )
+        assert any("install attempt 1 failed; retrying" in ln for ln in lines)
+        assert len(index.cuts) >= 2  # one per attempt at least
+        index.cut_after = None  # the same server, now whole
+        assert index.url == port
+        lines.clear()
+        healed = run_cell(cell, tmp_path / "venv", options, progress=lines.append)
+    assert healed.outcome is Outcome.PASS, healed.detail + healed.log_tail
+    assert healed.versions["vllm"] == "99.0.0"
+
+
 # -- 5. a hand-edited venv ---------------------------------------------------------------------------
 
 CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"

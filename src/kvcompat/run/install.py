@@ -14,7 +14,7 @@ from kvcompat.results import CellResult
 from kvcompat.run import record
 from kvcompat.run.context import CellContext
 from kvcompat.run.process import last_error_line
-from kvcompat.run.resolve import Resolved
+from kvcompat.run.resolve import Resolved, root_cause
 
 
 class DiskFullError(KvcompatError):
@@ -110,6 +110,16 @@ def check_abi(ctx: CellContext, versions: dict[str, str]) -> dict:
     return verdict.to_json()
 
 
+def uv_failure(out: str, default: str) -> str:
+    """uv's error and its innermost cause, e.g. "Failed to download `vllm==0.33.0` (end of file before message
+    length reached)" for a download cut mid-wheel; the last error line of anything else."""
+    lines = out.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
+    if start is None:
+        return last_error_line(out, default)
+    return root_cause("\n".join(lines[start:]))
+
+
 def _install(ctx: CellContext) -> str | None:
     """None when the venv matches the lock, else the telling line of what failed."""
     if not ctx.python.exists():
@@ -125,6 +135,6 @@ def _install(ctx: CellContext) -> str | None:
                 break
             ctx.say(f"install attempt {attempt} failed" + ("; retrying" if attempt == 1 else ""))
         else:
-            return last_error_line(out, "install failed")
+            return "install failed twice: " + uv_failure(out, "install failed")
     link_harness(ctx)
     return None
