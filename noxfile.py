@@ -4,6 +4,7 @@ Sessions:
   matrix   one session per cell: install with uv, run tests/connectors, write results/<cell>.json
   report   merge results/ into reports/compat.{json,md,xml,html} and print the table
   bisect   first vLLM release where a test breaks
+  mutants  mutation testing of the suite: mutants of multi_connector.py per cell, killed or survived
   ci       write a GitHub Actions / Buildkite pipeline with one job per cell
   tests    the harness's own tests (no vLLM needed)
   lint     ruff check and ruff format --check
@@ -53,6 +54,25 @@ def matrix(session: nox.Session, cell_id: str) -> None:
             sessions.update_report(ROOT, [opts.results_dir])
     if not result.outcome.is_green:
         session.error(f"{result.outcome.label}: {result.detail}")
+
+
+# Not parametrized: a mutation run is many suite runs in one cell's own copy of its venv, and the cells
+# are picked after -- (nox -s mutants -- -k vllm_0_33_0), so an expression matching no cell is an error.
+@nox.session(python=False)
+def mutants(session: nox.Session) -> None:
+    """Apply each mutant of tests/mutants/ to a cell's multi_connector.py, run the suite, report killed/survived."""
+    from kvcompat.mutation import session as mutation
+
+    with one_line_errors():
+        values, pytest_args = options.parse("mutants", session.posargs, extra_ok=True)  # the rest go to pytest
+        runs = []
+        for cell in mutation.select_cells(list(CELLS.values()), values.k):
+            mo = mutation.options_for(ROOT, values, pytest_args)
+            runs.append(mutation.run_mutants(cell, mo, progress=session.log))
+        sessions.update_report(ROOT, [ROOT / "results"])
+    bad = [mutation.summary(r) for r in runs if not r.ok]
+    if bad:
+        session.error("; ".join(bad))
 
 
 @nox.session(python=False)

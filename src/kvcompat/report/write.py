@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvcompat.atomic import write_atomic
+from kvcompat.report import mutants as mutation
 from kvcompat.report import notrun
 from kvcompat.report.jsonfile import render_json
 from kvcompat.report.junit import render_junit
@@ -15,14 +16,21 @@ from kvcompat.report.webpage import render_html
 SUMMARY_LIMIT = 1024 * 1024  # GitHub's job-summary cap
 
 
-def write_reports(rep: Report, out_dir: Path, summary_file: Path | None = None) -> list[Path]:
-    """Write reports/compat.*; with ``summary_file`` (GitHub's $GITHUB_STEP_SUMMARY) append the Markdown there too."""
-    md = _after_title(render_markdown(rep), notrun.markdown(rep))
+def write_reports(
+    rep: Report, out_dir: Path, summary_file: Path | None = None, mutants: list[dict] | None = None
+) -> list[Path]:
+    """Write reports/compat.*; with ``summary_file`` (GitHub's $GITHUB_STEP_SUMMARY) append the Markdown there too.
+
+    ``mutants`` (results/mutants-*.json, read by kvcompat.report.mutants.load) adds the "Mutation testing" section.
+    """
+    md = _after_title(render_markdown(rep), notrun.markdown(rep)) + mutation.render_markdown(mutants or [])
     paths = {
         out_dir / "compat.json": render_json(rep),
         out_dir / "compat.md": md,
         out_dir / "compat.xml": _before(render_junit(rep), "</testsuites>", notrun.junit(rep)),
-        out_dir / "compat.html": _before(render_html(rep), "</body>", notrun.html(rep)),
+        out_dir / "compat.html": _before(
+            _before(render_html(rep), "</body>", notrun.html(rep)), "</body>", mutation.render_html(mutants or [])
+        ),
     }
     for path, text in paths.items():
         write_atomic(path, text)

@@ -1,0 +1,384 @@
+"""A mutation session for one cell: its own venv, a green baseline, then one suite run per mutant.
+
+    .kvcompat/mutants/venvs/<cell>            the session's venv, from the cell's lock (never the cell's venv)
+    .kvcompat/mutants/venvs/<cell>.mutation/  journal.json, pristine.py, session.lock (kvcompat.mutation.guard)
+    .kvcompat/mutants/cells/<cell>/           the session's log and pytest reports
+    results/mutants-<cell>.json               the verdicts, rewritten (atomically) after every mutant
+
+A mutant is *killed* when a test that passed on the baseline fails or errors with it
+applied (pytest runs with -x, so the first such test is the killer), when the suite
+crashes, or when the run exceeds the per-mutant timeout.  It *survived* when every
+test still passes.  It is *not applicable* when its target code is absent from this
+release's file, and *equivalent* when the catalogue says why no test can tell it apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvcompat.atomic import write_atomic
+from kvcompat.cells import Cell
+from kvcompat.errors import KvcompatError
+from kvcompat.mutation import catalogue as cat
+from kvcompat.mutation.guard import Guard, GuardError
+from kvcompat.outcomes import Outcome
+from kvcompat.results import headline
+from kvcompat.run import install, suites
+from kvcompat.run.context import CellContext, now
+from kvcompat.run.options import RunOptions
+from kvcompat.run.process import reap_leftover
+
+SCHEMA = "kvcompat-mutants/1"
+KILLED, SURVIVED, NOT_APPLICABLE, EQUIVALENT = "killed", "survived", "not_applicable", "equivalent"
+STATUSES = (KILLED, SURVIVED, NOT_APPLICABLE, EQUIVALENT)
+# A test that was green on the baseline and is not now (failed, error, unsupported, …) kills the mutant.
+STILL_GREEN = ("passed", "not_applicable")
+
+
+class MutationError(KvcompatError):
+    """The mutation session cannot start for this cell; the message names the fix."""
+
+
+def results_path(results_dir: Path, cell_id: str) -> Path:
+    return results_dir / f"mutants-{cell_id}.json"
+
+
+@dataclasses.dataclass
+class MutationOptions:
+    """Knobs of a mutation session."""
+
+    repo: Path
+    catalogue: Path
+    results_dir: Path
+    home: Path  # .kvcompat/mutants: the session's venvs and work files
+    cell_work: Path  # where the matrix keeps each cell's lock (.kvcompat/cells)
+    suite: str = "tests/connectors"
+    only: tuple[str, ...] = ()  # mutant ids; empty: the whole catalogue
+    timeout_s: float | None = None  # per mutant; None: 5x the baseline run, at least MIN_TIMEOUT_S
+    index_url: str = "https://pypi.org/simple"
+    find_links: tuple[str, ...] = ()
+    heartbeat_s: float = 30.0
+    pytest_args: tuple[str, ...] = ()  # e.g. --deselect of a test that fails on the baseline; in every run
+
+    MIN_TIMEOUT_S = 120.0
+
+
+@dataclasses.dataclass
+class MutantVerdict:
+    id: str
+    contract: str
+    description: str
+    status: str
+    killed_by: str | None = None  # a test node id, "timeout" or "crash"
+    how: str | None = None  # test | timeout | crash
+    detail: str = ""
+    seconds: float = 0.0
+    reason: str | None = None  # equivalent: why
+
+
+@dataclasses.dataclass
+class MutationRun:
+    cell: dict
+    catalogue: str
+    target: str
+    started: str
+    baseline: dict = dataclasses.field(default_factory=dict)
+    mutants: list[MutantVerdict] = dataclasses.field(default_factory=list)
+    scored: bool = False
+    finished: str | None = None
+    planned: int = 0
+    pytest_args: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return self.cell["id"]
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(1 for m in self.mutants if m.status == s) for s in STATUSES}
+
+    @property
+    def survivors(self) -> list[MutantVerdict]:
+        return [m for m in self.mutants if m.status == SURVIVED]
+
+    @property
+    def ok(self) -> bool:
+        """Baseline green, every mutant decided, none survived."""
+        return self.scored and self.finished is not None and not self.survivors
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "id": self.id,
+            "cell": self.cell,
+            "catalogue": self.catalogue,
+            "target": self.target,
+            "started": self.started,
+            "finished": self.finished,
+            "scored": self.scored,
+            "baseline": self.baseline,
+            "planned": self.planned,
+            "pytest_args": self.pytest_args,
+            "counts": self.counts(),
+            "mutants": [dataclasses.asdict(m) for m in self.mutants],
+        }
+
+
+def read_run(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("schema") == SCHEMA else None
+
+
+def venv_for(home: Path, cell: Cell) -> Path:
+    return home / "venvs" / cell.id
+
+
+def guard_for(home: Path, cell: Cell) -> Guard:
+    venv = venv_for(home, cell)
+    return Guard(venv / "lib" / f"python{cell.python}" / "site-packages", venv.parent / f"{cell.id}.mutation")
+
+
+def _interrupt(signum, frame):  # noqa: ARG001
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_mutants(cell: Cell, mo: MutationOptions, progress: Callable[[str], None] = print) -> MutationRun:
+    """Run the catalogue against ``cell``; SIGTERM is handled like Ctrl-C (the file is restored either way)."""
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
+    try:
+        return _run(cell, mo, progress)
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _context(cell: Cell, mo: MutationOptions, progress: Callable[[str], None], timeout_s: float) -> CellContext:
+    opts = RunOptions(
+        repo=mo.repo,
+        # record.finish is never called here: the cell's own result file is not ours to write.
+        results_dir=mo.home / "cells" / cell.id,
+        suite=mo.suite,
+        timeout_s=timeout_s,
+        work_dir=mo.home / "cells",
+        heartbeat_s=mo.heartbeat_s,
+        index_url=mo.index_url,
+        find_links=mo.find_links,
+        pytest_args=mo.pytest_args,
+    )
+    return CellContext(cell, venv_for(mo.home, cell), opts, progress)
+
+
+def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> MutationRun:
+    lock = mo.cell_work / cell.id / "lock.txt"
+    if not lock.is_file():
+        raise MutationError(
+            f"cell {cell.id} has no lock ({lock}); run the cell once first: nox -s matrix -k {cell.tags[3]}"
+        )
+    mutants = cat.select(cat.load(mo.catalogue), mo.only)
+    ctx = _context(cell, mo, progress, timeout_s=3600.0)
+    guard = guard_for(mo.home, cell)
+    held = guard.lock()
+    try:
+        ctx.files.start_log(f"# kvcompat mutation session {cell.id} started {ctx.started}")
+        reap_leftover(ctx.files, ctx.say)  # a pytest left running by a SIGKILLed session
+        _prepare_venv(ctx, guard, lock)
+        source = guard.save_pristine().decode()
+        plan = [(m, m.apply(source)) for m in mutants]  # an ambiguous or broken mutant stops us before any run
+        run = MutationRun(
+            cell=cell.to_json(),
+            catalogue=str(_rel(mo.catalogue, mo.repo)),
+            target=guard.target,
+            started=ctx.started,
+            planned=len(plan),
+            pytest_args=list(mo.pytest_args),
+        )
+        out = results_path(mo.results_dir, cell.id)
+        _baseline(ctx, run)
+        write_atomic(out, json.dumps(run.to_json(), indent=1))
+        if not run.scored:
+            ctx.say(f"baseline is {run.baseline['outcome']}: {run.baseline['detail']}; mutants not scored")
+            run.finished = now()
+            write_atomic(out, json.dumps(run.to_json(), indent=1))
+            return run
+        timeout = mo.timeout_s or max(MutationOptions.MIN_TIMEOUT_S, 5 * run.baseline["seconds"])
+        ctx = _context(cell, mo, progress, timeout_s=timeout)
+        passed = set(run.baseline["passed"])
+        for n, (mutant, mutated) in enumerate(plan, 1):
+            verdict = _score(ctx, guard, mutant, mutated, passed)
+            run.mutants.append(verdict)
+            ctx.say(f"mutant {n}/{len(plan)} {mutant.id}: {_say(verdict)}")
+            write_atomic(out, json.dumps(run.to_json(), indent=1))
+        run.finished = now()
+        write_atomic(out, json.dumps(run.to_json(), indent=1))
+        c = run.counts()
+        ctx.say(
+            f"{c[KILLED]} killed, {c[SURVIVED]} survived, {c[NOT_APPLICABLE]} not applicable, "
+            f"{c[EQUIVALENT]} equivalent; wrote {_rel(out, mo.repo)}"
+        )
+        return run
+    finally:
+        held.close()
+
+
+def _rel(path: Path, root: Path) -> Path:
+    try:
+        return path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return path
+
+
+def _prepare_venv(ctx: CellContext, guard: Guard, lock: Path) -> None:
+    """Build (or re-sync) the session's venv from the cell's lock, after undoing what a killed session left."""
+    if guard.path.exists():
+        try:
+            done = guard.recover()
+        except GuardError as exc:
+            ctx.say(f"{exc}: rebuilding the mutation venv")
+            shutil.rmtree(ctx.venv)
+            done = None
+        if done:
+            ctx.say(done)
+    ctx.files.work.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(lock, ctx.files.lock)
+    with ctx.timed("install"):
+        failure = install._install(ctx)  # the cell's own recipe: uv venv, uv pip sync of the lock, the harness .pth
+    if failure is not None:
+        raise MutationError(f"could not build the mutation venv {ctx.venv}: {failure}; see {ctx.files.log}")
+    if not guard.path.is_file():
+        raise MutationError(f"{guard.target} is not in {cell_label(ctx.cell)}; there is nothing to mutate")
+
+
+def cell_label(cell: Cell) -> str:
+    return f"{cell.dist} {cell.vllm}"
+
+
+def _suite_run(ctx: CellContext, *extra: str) -> suites.SuiteRun:
+    # RunOptions.pytest_args (the session's extra arguments) come after these, as in a matrix cell
+    return suites.SuiteRun(path=ctx.opts.suite, cwd=ctx.opts.repo, args=["-m", suites.suite_marker(ctx.cell), *extra])
+
+
+def _baseline(ctx: CellContext, run: MutationRun) -> None:
+    t0 = time.monotonic()
+    with ctx.timed("baseline"):
+        verdict = suites.run_pytest(ctx, "ours", _suite_run(ctx))
+    run.baseline = {
+        "outcome": verdict.outcome.value,
+        "detail": verdict.detail,
+        "seconds": round(time.monotonic() - t0, 2),
+        "passed": sorted(t.nodeid for t in verdict.tests if t.outcome.value == "passed"),
+        "tests": len(verdict.tests),
+    }
+    run.scored = verdict.outcome is Outcome.PASS
+
+
+def _score(ctx: CellContext, guard: Guard, mutant: cat.Mutant, mutated: str | None, passed: set[str]) -> MutantVerdict:
+    base = {"id": mutant.id, "contract": mutant.contract, "description": mutant.description}
+    if mutated is None:
+        return MutantVerdict(**base, status=NOT_APPLICABLE, detail=f"target code absent in {cell_label(ctx.cell)}")
+    if mutant.equivalent:
+        return MutantVerdict(**base, status=EQUIVALENT, reason=mutant.equivalent)
+    t0 = time.monotonic()
+    guard.apply(mutant.id, mutated)
+    try:
+        verdict = suites.run_pytest(ctx, "ours", _suite_run(ctx, "-x"))
+    finally:
+        guard.restore()
+    seconds = round(time.monotonic() - t0, 2)
+    if verdict.outcome is Outcome.TIMEOUT:
+        return MutantVerdict(
+            **base, status=KILLED, killed_by="timeout", how="timeout", detail=verdict.detail, seconds=seconds
+        )
+    killers = [t for t in verdict.tests if t.nodeid in passed and t.outcome.value not in STILL_GREEN]
+    if killers:
+        t = killers[0]
+        return MutantVerdict(
+            **base,
+            status=KILLED,
+            killed_by=t.nodeid,
+            how="test",
+            detail=f"{t.outcome.value}: {headline(t.message)}"[:400],
+            seconds=seconds,
+        )
+    if verdict.outcome is Outcome.TEST_ERROR:
+        # pytest itself failed (a crash, a collection error, an exit status its tests do not explain):
+        # the suite noticed, without naming a test
+        return MutantVerdict(
+            **base, status=KILLED, killed_by="crash", how="crash", detail=verdict.detail, seconds=seconds
+        )
+    return MutantVerdict(**base, status=SURVIVED, detail=verdict.detail, seconds=seconds)
+
+
+def _say(v: MutantVerdict) -> str:
+    if v.status == KILLED:
+        who = v.killed_by.split("::")[-1] if v.how == "test" else v.how
+        return f"killed by {who} in {v.seconds:.1f}s"
+    if v.status == SURVIVED:
+        return f"SURVIVED ({v.contract}) in {v.seconds:.1f}s"
+    if v.status == EQUIVALENT:
+        return f"equivalent: {v.reason}"
+    return f"not applicable ({v.detail})"
+
+
+# -- the nox session's front --------------------------------------------------------------
+
+
+class _Keywords(dict):
+    """nox's -k semantics: a name is true when it is a substring of one of the cell's keywords."""
+
+    def __init__(self, keywords: list[str]) -> None:
+        super().__init__()
+        self.keywords = keywords
+
+    def __missing__(self, name: str) -> bool:
+        return any(name in k for k in self.keywords)
+
+
+def select_cells(cells: list[Cell], expression: str | None) -> list[Cell]:
+    """The cells whose tags (and id) match ``expression``, as ``nox -k`` matches the matrix sessions."""
+    if not expression:
+        return list(cells)
+    try:
+        code = compile(expression, "-k", "eval")
+    except SyntaxError:
+        raise MutationError(f"-k {expression!r} is not a Python expression; write e.g. -k vllm_0_33_0") from None
+    chosen = [c for c in cells if eval(code, {"__builtins__": {}}, _Keywords([*c.tags, c.id]))]  # noqa: S307
+    if not chosen:
+        known = ", ".join(c.tags[3] for c in cells) or "none"
+        raise MutationError(
+            f"-k {expression!r} matches no cell of the matrix (its cells: {known}); "
+            "pick another matrix with KVCOMPAT_MATRIX=… or list the cells with `nox -l -s matrix`"
+        )
+    return chosen
+
+
+def options_for(root: Path, values, pytest_args: list[str] = ()) -> MutationOptions:
+    return MutationOptions(
+        repo=root,
+        catalogue=root / "tests" / "mutants" / "multi_connector.toml",
+        results_dir=root / "results",
+        home=root / ".kvcompat" / "mutants",
+        cell_work=root / ".kvcompat" / "cells",
+        only=tuple(values.mutant),
+        timeout_s=values.mutant_timeout,
+        index_url=values.index_url,
+        find_links=tuple(values.find_links),
+        pytest_args=tuple(pytest_args),
+    )
+
+
+def summary(run: MutationRun) -> str:
+    c = run.counts()
+    if not run.scored:
+        return f"{run.id}: baseline {run.baseline.get('outcome')} ({run.baseline.get('detail')}), mutants not scored"
+    text = f"{run.id}: {c[KILLED]} killed, {c[SURVIVED]} survived"
+    return text + (f" ({', '.join(m.id for m in run.survivors)})" if run.survivors else "")

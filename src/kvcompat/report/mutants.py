@@ -1,0 +1,114 @@
+"""The report's "Mutation testing" section, from results/mutants-<cell>.json (see kvcompat.mutation.session).
+
+Markdown and HTML fragments; :mod:`kvcompat.report.write` appends them to compat.md and compat.html.
+"""
+
+from __future__ import annotations
+
+import json
+from html import escape
+from pathlib import Path
+
+SCHEMA = "kvcompat-mutants/1"  # kvcompat.mutation.session.SCHEMA (kept here: the report reads files, not sessions)
+COLUMNS = ("killed", "survived", "not_applicable", "equivalent")
+
+
+def load(dirs: list[Path]) -> list[dict]:
+    """Every mutation result under ``dirs`` (recursively); for a cell seen twice, the latest start wins."""
+    by_id: dict[str, dict] = {}
+    for d in dirs:
+        for path in sorted(d.rglob("mutants-*.json")) if d.is_dir() else []:
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+                continue
+            old = by_id.get(data["id"])
+            if old is None or (data.get("started") or "") >= (old.get("started") or ""):
+                by_id[data["id"]] = data
+    return [by_id[k] for k in sorted(by_id, reverse=True)]
+
+
+def _state(run: dict) -> str:
+    if not run.get("scored"):
+        base = run.get("baseline") or {}
+        return f"not scored: baseline {base.get('outcome', '?')} ({base.get('detail', '')})"
+    done = len(run.get("mutants", []))
+    if run.get("finished") is None:
+        return f"incomplete: {done} of {run.get('planned', '?')} mutants"
+    return "complete"
+
+
+def _counts(run: dict) -> dict[str, int]:
+    return {c: sum(1 for m in run.get("mutants", []) if m["status"] == c) for c in COLUMNS}
+
+
+def _killer(m: dict) -> str:
+    return m["killed_by"].split("::")[-1] if m.get("how") == "test" else (m.get("how") or "")
+
+
+def render_markdown(runs: list[dict]) -> str:
+    if not runs:
+        return ""
+    out = [
+        "## Mutation testing",
+        "",
+        "Each mutant is a small change to the release's multi_connector.py, applied in a copy of the cell's venv; "
+        "the suite should fail on it (killed). Survivors are contracts the suite does not check.",
+        "",
+        "| cell | killed | survived | not applicable | equivalent | state |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        c = _counts(run)
+        out.append(
+            f"| {run['id']} | {c['killed']} | {c['survived']} | {c['not_applicable']} | {c['equivalent']} | "
+            f"{_state(run)} |"
+        )
+    out.append("")
+    for run in runs:
+        survivors = [m for m in run.get("mutants", []) if m["status"] == "survived"]
+        if survivors:
+            out += [f"Survivors in {run['id']}:", ""]
+            out += [f"- `{m['id']}` ({m['contract']}): {m['description']}" for m in survivors]
+            out.append("")
+    equivalent = {m["id"]: m for run in runs for m in run.get("mutants", []) if m["status"] == "equivalent"}
+    if equivalent:
+        out += ["Equivalent mutants (not run):", ""]
+        out += [f"- `{m['id']}`: {m.get('reason')}" for m in equivalent.values()]
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def render_html(runs: list[dict]) -> str:
+    if not runs:
+        return ""
+    body = [
+        '<h2 id="mutation-testing">Mutation testing</h2>',
+        "<table><tr><th>cell</th><th>killed</th><th>survived</th><th>not applicable</th><th>equivalent</th>"
+        "<th>state</th></tr>",
+    ]
+    for run in runs:
+        c = _counts(run)
+        body.append(
+            f"<tr><td>{escape(run['id'])}</td>"
+            + "".join(f"<td>{c[k]}</td>" for k in COLUMNS)
+            + f"<td>{escape(_state(run))}</td></tr>"
+        )
+    body.append("</table>")
+    for run in runs:
+        if not run.get("mutants"):
+            continue
+        body.append(
+            f"<details><summary>{escape(run['id'])}: every mutant</summary><table>"
+            "<tr><th>mutant</th><th>contract</th><th>status</th><th>killed by / why</th></tr>"
+        )
+        for m in run["mutants"]:
+            why = _killer(m) if m["status"] == "killed" else (m.get("reason") or m.get("detail") or "")
+            body.append(
+                f"<tr><td><code>{escape(m['id'])}</code></td><td>{escape(m['contract'])}</td>"
+                f"<td>{escape(m['status'].replace('_', ' '))}</td><td>{escape(why)}</td></tr>"
+            )
+        body.append("</table></details>")
+    return "".join(body)
