@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import not_applicable
+from kvcompat.testkit import not_applicable, user_configuration
 
 from conftest import BLOCK, token_ids
 
@@ -87,7 +87,10 @@ def test_hma_sliding_window_group_forwarded_to_all_children(make_engine):
     children = _children_hma(probe.multi)
     assert all(children), f"children HMA support: {children}"
 
-    engine = make_engine(sliding_window=4 * BLOCK, disable_hybrid_kv_cache_manager=False)
+    # What a user deploys: a sliding-window model with HMA on.  A release that refuses it
+    # although every child supports HMA is ``unsupported``, with vLLM's error.
+    with user_configuration("MultiConnector(Nixl, CPU offload) with HMA and a sliding-window group"):
+        engine = make_engine(sliding_window=4 * BLOCK, disable_hybrid_kv_cache_manager=False)
     assert va.hma_enabled(engine.vllm_config), "the release refused HMA for HMA-capable children"
     assert len(engine.kv_cache_config.kv_cache_groups) == 2
 

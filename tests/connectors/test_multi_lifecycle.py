@@ -344,8 +344,9 @@ def test_reset_cache_goes_to_both_children_and_clears_the_offloaded_prefix(engin
     engine.scheduler.add_request(va.make_request("reset-src", prompt, max_tokens=2))
     for _ in range(5):
         engine.step()
-    probe = va.make_request("reset-probe", prompt, max_tokens=1)
-    assert engine.offload.get_num_new_matched_tokens(probe, 0)[0] == 3 * BLOCK, "nothing stored to reset"
+    # stored and reported done (asking the child for a hit here would pin it, as no engine does)
+    assert engine.emulator.completed_store_events or engine.emulator.finished_sending, "nothing stored to reset"
+    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held before the connector reset"
     calls = [ch.spy(monkeypatch, c, "reset_cache") for c in engine.multi._connectors]
     assert engine.scheduler.reset_prefix_cache(reset_connector=True) is True
     assert [len(c) for c in calls] == [1, 1], f"reset_cache calls per child: {[len(c) for c in calls]}"

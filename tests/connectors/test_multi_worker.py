@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from kvcompat.testkit import adapter as va
+from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 
 from conftest import BLOCK, build_worker, token_ids
@@ -124,13 +125,15 @@ def test_worker_nixl_child_registers_cpu_kv_caches_and_send_completes(worker_nix
     assert not recving
 
 
-def test_worker_multi_get_finished_aggregates_children(worker_multi, fake_nixl):
+def test_worker_multi_get_finished_aggregates_children(worker_multi, fake_nixl, monkeypatch):
     """Through a WORKER-role MultiConnector on CPU: metadata bound through
     MultiConnector reaches each child in order, and MultiConnector.get_finished
     reports the Nixl child's completed send in finished_sending (aggregated over
     both children; no extra async saves pending).  KV caches are registered with
     the Nixl child only: the CPU-offload child's register_kv_caches needs CUDA
-    (see test_worker_register_kv_caches_on_all_children)."""
+    (see test_worker_register_kv_caches_on_all_children), so its completions are
+    scripted (none): a worker without KV caches cannot exist, and from 0.28 its
+    get_finished asserts a copy backend (simple_kv_offload/worker.py L281)."""
     engine, multi = worker_multi
     NixlConnector, _ = va.nixl_classes()
     OffloadConnector, _ = va.offload_classes()
@@ -141,6 +144,7 @@ def test_worker_multi_get_finished_aggregates_children(worker_multi, fake_nixl):
     multi._connectors[0].register_kv_caches(caches)
     agent = _agent(fake_nixl)
     _assert_dram_registration(agent, caches)
+    ch.script_completions(monkeypatch, multi._connectors[1], [])
 
     sending_seen: set[str] = set()
     for meta, so in _prefill_side_metadata(engine, "pd-send-1"):
