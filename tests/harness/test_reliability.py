@@ -49,7 +49,8 @@ SMALL_CELL_GB = "0.1"
 
 def run_options(tmp_path: Path, suite: Path, **kw) -> RunOptions:
     kw.setdefault("min_free_gb", float(SMALL_CELL_GB))
-    return RunOptions(repo=REPO, results_dir=tmp_path / "results", suite=str(suite), work_dir=tmp_path / "work", **kw)
+    kw.setdefault("results_dir", tmp_path / "results")
+    return RunOptions(repo=REPO, suite=str(suite), work_dir=tmp_path / "work", **kw)
 
 
 def wheel_cell(wheel: Path) -> Cell:
@@ -277,6 +278,94 @@ def test_a_download_cut_mid_wheel_is_retried_then_an_install_error_and_leaves_no
         healed = run_cell(cell, tmp_path / "venv", options, progress=lines.append)
     assert healed.outcome is Outcome.PASS, healed.detail + healed.log_tail
     assert healed.versions["vllm"] == "99.0.0"
+
+
+# -- 4. a disk that fills during the install -----------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 12 MiB tmpfs the test mounts (root only): a disk that really fills up, without filling this machine's."""
+    import subprocess
+
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()}): needs root")
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+@pytest.mark.slow
+def test_a_disk_filling_during_the_install_is_an_install_error_and_leaves_no_half_built_venv(
+    tmp_path, small_disk, fake_wheel, make_suite
+):
+    """Fault 4, harness: the venv lives on a 12 MiB disk and the vLLM wheel unpacks to 20 MiB, so the disk fills
+    in the middle of uv's copy.  Install error naming the disk, not retried, the half-built venv removed, and
+    one whole result file (no temporary left)."""
+    import os
+
+    options = run_options(tmp_path, make_suite(test_ok=SUITE), min_free_gb=0.001)  # the check before passes
+    wheel = fake_wheel(extra={"vllm/blob.txt": os.urandom(10 * 2**20).hex()})
+    lines: list[str] = []
+    result = run_cell(wheel_cell(wheel), small_disk / "venv", options, progress=lines.append)
+    assert result.outcome is Outcome.INSTALL_ERROR
+    assert result.detail.startswith(
+        f"the disk under {small_disk} filled up during the install (No space left on device); the half-built "
+        "venv was removed"
+    ), result.detail
+    assert "No space left on device (os error 28)" in result.log_tail
+    assert not any("retrying" in ln for ln in lines)
+    assert not (small_disk / "venv").exists()
+    assert [p.name for p in options.results_dir.iterdir()] == [f"{result.id}.json"]
+    assert check_result(result_path(options.results_dir, result.id)).outcome is Outcome.INSTALL_ERROR
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_results_is_one_line_and_leaves_no_half_written_result(
+    tmp_path, small_disk, fake_wheel, make_suite
+):
+    """Fault 4, harness: the results folder is on a disk that is full when the cell ends: one line naming the
+    disk (kvcompat.run.install.DiskFullError, exit 2 at the front door), no result file and no temporary."""
+    from kvcompat.run.install import DiskFullError
+
+    results = small_disk / "results"
+    results.mkdir()
+    options = run_options(tmp_path, make_suite(test_ok=SUITE), results_dir=results)
+    with open(small_disk / "filler", "wb") as filler:  # fill the disk to the last block
+        try:
+            while True:
+                filler.write(b"\0" * 2**16)
+                filler.flush()
+        except OSError:
+            pass
+    with pytest.raises(DiskFullError) as full:
+        run_cell(wheel_cell(fake_wheel()), tmp_path / "venv", options, progress=lambda s: None)
+    assert "no space left on the disk for" in str(full.value) and "and rerun" in str(full.value)
+    assert list(results.iterdir()) == []
+
+
+def test_a_log_on_a_full_disk_does_not_stall_the_command(tmp_path):
+    """Fault 4, harness: the cell log cannot be written (/dev/full: every write is ENOSPC) while a command prints
+    3000 lines (300 KB, more than a pipe holds): the output is still read to the end and the command finishes."""
+    import sys
+
+    from kvcompat.run.cellfiles import CellFiles
+    from kvcompat.run.process import run_command
+
+    class FullDiskFiles(CellFiles):
+        @property
+        def log(self) -> Path:
+            return Path("/dev/full")
+
+        def append_log(self, text: str) -> None:
+            pass
+
+    files = FullDiskFiles(tmp_path, tmp_path / "results", "cell")
+    cmd = [sys.executable, "-c", "for i in range(3000): print('x' * 100)"]
+    rc, out = run_command(cmd, files, timeout=20, heartbeat_s=30, say=lambda s: None, phase="install", cwd=tmp_path)
+    assert rc == 0 and len(out) > 300_000
 
 
 # -- 5. a hand-edited venv ---------------------------------------------------------------------------

@@ -90,6 +90,15 @@ def phase(ctx: CellContext, resolved: Resolved) -> Installed | CellResult:
     """Create the venv if needed and sync it to the lock, each step retried once; install error otherwise."""
     with ctx.timed("install"):
         failure = _install(ctx)
+    if isinstance(failure, DiskFilled):
+        # A half-copied venv would look installed to the next run (and to uv): it goes, whole.
+        shutil.rmtree(ctx.venv, ignore_errors=True)
+        free = shutil.disk_usage(ctx.venv.parent).free / 2**30
+        failure = (
+            f"the disk under {ctx.venv.parent} filled up during the install (No space left on device); the "
+            f"half-built venv was removed, {free:.2f} GiB free now: free space (e.g. `rm -rf .kvcompat/venvs/<old "
+            f"cell>`, or `uv cache prune`) and rerun; uv said: {failure}"
+        )[:600]
     if failure is not None:
         return record.finish(ctx, Outcome.INSTALL_ERROR, failure)
     versions = freeze(ctx)
@@ -108,6 +117,14 @@ def check_abi(ctx: CellContext, versions: dict[str, str]) -> dict:
     if not verdict.ok:
         ctx.say(f"ABI: {len(verdict.missing)} torch symbols the extensions need are not in torch {verdict.torch}")
     return verdict.to_json()
+
+
+class DiskFilled(str):
+    """An install failure that filled the disk (what uv said): the half-built venv must go."""
+
+
+def disk_full(text: str) -> bool:
+    return "No space left on device" in text or "os error 28" in text
 
 
 def uv_failure(out: str, default: str) -> str:
@@ -133,6 +150,8 @@ def _install(ctx: CellContext) -> str | None:
             rc, out = ctx.sh(step, timeout=ctx.opts.install_timeout_s, phase="install")
             if rc == 0:
                 break
+            if disk_full(out):  # a second try on a full disk only fills it again
+                return DiskFilled(uv_failure(out, "install failed: disk full"))
             ctx.say(f"install attempt {attempt} failed" + ("; retrying" if attempt == 1 else ""))
         else:
             return "install failed twice: " + uv_failure(out, "install failed")

@@ -61,11 +61,20 @@ def run_command(
     lines: list[str] = []
 
     def pump() -> None:
-        with files.log.open("a") as log:
-            for line in proc.stdout:  # type: ignore[union-attr]
-                lines.append(line)
-                log.write(line)
-                log.flush()
+        # Reads to the end whatever happens to the log: a reader that stopped (say, at a full disk)
+        # would leave the command blocked on a full pipe until its timeout.
+        try:
+            log = files.log.open("a")
+        except OSError:
+            log = None
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if log is not None:
+                try:
+                    log.write(line)
+                    log.flush()
+                except OSError:
+                    log = None
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()

@@ -9,6 +9,7 @@ cell always ends with a result file.
 
 from __future__ import annotations
 
+import errno
 import signal
 import threading
 from collections.abc import Callable
@@ -75,6 +76,14 @@ def run_cell(cell: Cell, venv: Path, opts: RunOptions, progress: Callable[[str],
     try:
         with lock.held(venv, cell.id):  # one run per venv: never two installs into one
             return run_phases(CellContext(cell, venv, opts, progress))
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # The log, the lock or the result file could not be written: results are atomic, so none is half-written.
+        raise install.DiskFullError(
+            f"no space left on the disk for {exc.filename or 'a file of the cell'} while running cell {cell.id}; "
+            "free space (e.g. `rm -rf .kvcompat/venvs/<old cell>`, or `uv cache prune`) and rerun"
+        ) from None
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)
