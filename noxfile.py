@@ -3,7 +3,7 @@
 Sessions:
   matrix   one session per cell: install with uv, run tests/connectors, write results/<cell>.json
   report   merge results/ into reports/compat.{json,md,xml,html} and print the table
-  bisect   first vLLM release where a test breaks
+  bisect   first vLLM release where a test breaks (--find-fix: where it is fixed)
   mutants  mutation testing of the suite: mutants of multi_connector.py per cell, killed or survived
   ci       write a GitHub Actions / Buildkite pipeline with one job per cell
   tests    the harness's own tests (no vLLM needed)
@@ -104,7 +104,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def bisect(session: nox.Session) -> None:
-    """Find the first bad release: nox -s bisect -- --test T --good V1 --bad V2 [--dist D] [--torch pinned|X]."""
+    """Find the first bad release: nox -s bisect -- --test T --good V1 --bad V2 [--dist D] [--torch pinned|X].
+
+    With --find-fix --bad OLD --good NEW: the first good release after a bad one."""
     with one_line_errors():
         values, _ = options.parse("bisect", session.posargs)
         sessions.bisect(ROOT, values, say=session.log)

@@ -1,7 +1,9 @@
-"""Find the first vLLM release where a test stops passing.
+"""Find the first vLLM release where a test stops passing, or (``--find-fix``) passes again.
 
 ``nox -s bisect -- --test T --good V1 --bad V2`` lists the releases between V1
-and V2 (index or wheelhouse), checks both ends, then binary-searches.  Each
+and V2 (index or wheelhouse), checks both ends, then binary-searches.  With
+``--find-fix --bad OLD --good NEW`` the ends swap places: OLD fails, NEW passes,
+and the search finds the first good release after the bad one.  Each
 release is a normal matrix cell (same venv, same result cache), so a cell the
 matrix already ran costs only its resolve.  A release that cannot be resolved,
 installed or imported, or where the test is not applicable, is *skipped*:
@@ -47,18 +49,37 @@ class Step:
 
 @dataclasses.dataclass
 class BisectResult:
-    last_good: str
-    first_bad: str
+    """The boundary: ``older`` has the old verdict (good, or bad with ``find_fix``), ``newer`` the new one."""
+
+    older: str
+    newer: str
     steps: list[Step]
-    untested_between: list[str]  # skipped releases that may hold the first bad one
+    untested_between: list[str]  # skipped releases that may hold the boundary
+    find_fix: bool = False
 
     @property
     def cells_evaluated(self) -> int:
         return len(self.steps)
 
+    @property
+    def last_good(self) -> str | None:
+        return None if self.find_fix else self.older
 
-def releases_between(available: list[Version], good: str, bad: str, *, pre: bool) -> list[str]:
-    """The releases from ``good`` to ``bad`` inclusive, in packaging order."""
+    @property
+    def first_bad(self) -> str | None:
+        return None if self.find_fix else self.newer
+
+    @property
+    def last_bad(self) -> str | None:
+        return self.older if self.find_fix else None
+
+    @property
+    def first_good(self) -> str | None:
+        return self.newer if self.find_fix else None
+
+
+def releases_between(available: list[Version], good: str, bad: str, *, pre: bool, find_fix: bool = False) -> list[str]:
+    """The releases from ``good`` to ``bad`` (with ``find_fix``: ``bad`` to ``good``) inclusive, in packaging order."""
     known = {str(v) for v in available}
     for flag, value in (("--good", good), ("--bad", bad)):
         try:
@@ -70,9 +91,20 @@ def releases_between(available: list[Version], good: str, bad: str, *, pre: bool
                 f"{flag} {value} is not a known release; nearest on the index: "
                 f"{index.nearest_versions(available, Version(value))}"
             )
-    lo, hi = Version(good), Version(bad)
-    if lo >= hi:
-        raise BisectError(f"--good {good} must be older than --bad {bad}; swap them to find where the test broke")
+    if find_fix:
+        lo, hi = Version(bad), Version(good)
+        if lo >= hi:
+            raise BisectError(
+                f"with --find-fix, --bad {bad} must be older than --good {good} (the fix comes after the break); "
+                "swap them, or drop --find-fix to find where the test broke"
+            )
+    else:
+        lo, hi = Version(good), Version(bad)
+        if lo >= hi:
+            raise BisectError(
+                f"--good {good} must be older than --bad {bad}; swap them to find where the test broke, "
+                "or add --find-fix to find the release that fixed it"
+            )
     out = [v for v in sorted(available) if lo <= v <= hi and (pre or not v.is_prerelease or v in (lo, hi))]
     return [str(v) for v in out]
 
@@ -113,10 +145,17 @@ def bisect(
     *,
     say: Callable[[str], None] = print,
     resume: Callable[[str, str], str] | None = None,
+    find_fix: bool = False,
 ) -> BisectResult:
-    """Binary search for the first bad release; ``versions[0]`` must be good and ``versions[-1]`` bad."""
+    """Binary search for the first bad release; ``versions[0]`` must be good and ``versions[-1]`` bad.
+
+    With ``find_fix`` the verdicts swap: ``versions[0]`` must be bad, ``versions[-1]`` good, and the
+    answer is the first good release.  Both ways the same skip rules and the same budget hold, and
+    ``resume`` gets (good, bad) as the options of the resumed command take them.
+    """
     if len(versions) < 2:
         raise BisectError("need at least two releases between --good and --bad")
+    old, new = (Verdict.BAD, Verdict.GOOD) if find_fix else (Verdict.GOOD, Verdict.BAD)
     n = len(versions)
     budget = cell_budget(n)
     steps: list[Step] = []
@@ -127,16 +166,31 @@ def bisect(
         say(f"[{len(steps)}/≤{budget}] {versions[i]} ({role}): {step.verdict.value.upper()} - {step.why}")
         return step
 
-    first = run(0, "--good endpoint")
-    if first.verdict is not Verdict.GOOD:
-        raise BisectError(
-            f"--good {versions[0]} is not good ({first.verdict.value}: {first.why}); pick an older release where the test passes"
-        )
-    last = run(n - 1, "--bad endpoint")
-    if last.verdict is not Verdict.BAD:
-        raise BisectError(
-            f"--bad {versions[-1]} is not bad ({last.verdict.value}: {last.why}); pick a release where the test fails"
-        )
+    if find_fix:
+        first = run(0, "--bad endpoint")
+        if first.verdict is not Verdict.BAD:
+            raise BisectError(
+                f"--bad {versions[0]} is not bad ({first.verdict.value}: {first.why}); "
+                "pick a release where the test fails"
+            )
+        last = run(n - 1, "--good endpoint")
+        if last.verdict is not Verdict.GOOD:
+            raise BisectError(
+                f"--good {versions[-1]} is not good ({last.verdict.value}: {last.why}); "
+                "pick a newer release where the test passes"
+            )
+    else:
+        first = run(0, "--good endpoint")
+        if first.verdict is not Verdict.GOOD:
+            raise BisectError(
+                f"--good {versions[0]} is not good ({first.verdict.value}: {first.why}); "
+                "pick an older release where the test passes"
+            )
+        last = run(n - 1, "--bad endpoint")
+        if last.verdict is not Verdict.BAD:
+            raise BisectError(
+                f"--bad {versions[-1]} is not bad ({last.verdict.value}: {last.why}); pick a release where the test fails"
+            )
 
     lo, hi, skipped = 0, n - 1, set()
     while True:
@@ -145,15 +199,17 @@ def bisect(
             break
         mid = min(untested, key=lambda i: (abs(i - (lo + hi) / 2), i))
         step = run(mid, f"{hi - lo - 1} left between {versions[lo]} and {versions[hi]}")
-        if step.verdict is Verdict.GOOD:
+        if step.verdict is old:
             lo = mid
-        elif step.verdict is Verdict.BAD:
+        elif step.verdict is new:
             hi = mid
         else:
             skipped.add(mid)
         if resume is not None:
-            say("  resume with: " + resume(versions[lo], versions[hi]))
-    return BisectResult(versions[lo], versions[hi], steps, [versions[i] for i in sorted(skipped) if lo < i < hi])
+            good, bad = (versions[hi], versions[lo]) if find_fix else (versions[lo], versions[hi])
+            say("  resume with: " + resume(good, bad))
+    untested = [versions[i] for i in sorted(skipped) if lo < i < hi]
+    return BisectResult(versions[lo], versions[hi], steps, untested, find_fix=find_fix)
 
 
 # -- what changed between the two wheels -------------------------------------------------
@@ -198,20 +254,25 @@ def diff_trees(old_root: Path, new_root: Path, prefixes: tuple[str, ...] = CONNE
     return changes
 
 
-def compare_url(good: str, bad: str) -> str:
-    return f"https://github.com/vllm-project/vllm/compare/v{good}...v{bad}"
+def compare_url(older: str, newer: str) -> str:
+    return f"https://github.com/vllm-project/vllm/compare/v{older}...v{newer}"
 
 
 def render_answer(res: BisectResult, changes: list[FileChange] | None) -> str:
-    lines = ["", f"last good: {res.last_good}", f"first bad: {res.first_bad}"]
+    if res.find_fix:
+        lines = ["", f"first good: {res.first_good} (last bad: {res.last_bad})"]
+        boundary = "first good"
+    else:
+        lines = ["", f"last good: {res.last_good}", f"first bad: {res.first_bad}"]
+        boundary = "first bad"
     if res.untested_between:
         lines.append(
-            f"  (could not test {', '.join(res.untested_between)} in between: the first bad release may be one of them)"
+            f"  (could not test {', '.join(res.untested_between)} in between: the {boundary} release may be one of them)"
         )
     lines.append(f"cells evaluated: {res.cells_evaluated}")
-    lines.append(f"compare: {compare_url(res.last_good, res.first_bad)}")
+    lines.append(f"compare: {compare_url(res.older, res.newer)}")
     if changes is not None:
-        lines.append(f"connector sources changed between {res.last_good} and {res.first_bad}: {len(changes)} file(s)")
+        lines.append(f"connector sources changed between {res.older} and {res.newer}: {len(changes)} file(s)")
         for c in changes:
             lines.append(f"  {c.status:8} +{c.added:<5} -{c.removed:<5} {c.path}")
     return "\n".join(lines)

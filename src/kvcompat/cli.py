@@ -3,7 +3,7 @@
     kvcompat report [DIR…]      merge result folders into reports/ and print the grid
     kvcompat show CELL          one cell's verdict, tests and log tail
     kvcompat list               the cells of a matrix and their last verdicts
-    kvcompat bisect …           the first release where a test breaks (as nox -s bisect)
+    kvcompat bisect …           the first release where a test breaks, or with --find-fix is fixed (as nox -s bisect)
 
 Bad input is one line on stderr, ``kvcompat: error: …``, and exit status 2, as in the nox sessions.
 Running cells needs nox (``nox -s matrix``): it is what puts each cell in its own session.
@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_options(p, "list")
     p = sub.add_parser(
         "bisect",
-        help="find the first release where a test breaks",
+        help="find the first release where a test breaks (or, with --find-fix, is fixed)",
         description="Binary-search the releases between --good and --bad for the first where --test "
-        "fails; each step is a matrix cell (same venv, same result cache).",
+        "fails (with --find-fix --bad OLD --good NEW: the first where it passes again); each step is a "
+        "matrix cell (same venv, same result cache).",
     )
     options.add_options(p, "bisect")
     return parser

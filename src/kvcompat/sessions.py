@@ -157,15 +157,18 @@ def list_cells(root: Path, cells: list[Cell]) -> str:
 
 
 def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) -> bis.BisectResult:
-    """Find the first bad release between ``values.good`` and ``values.bad`` (bad input raises, one line)."""
+    """Find the first bad release between ``values.good`` and ``values.bad`` (bad input raises, one line);
+    with ``values.find_fix`` the first good release after the bad one."""
     env = values.env or ("today" if values.wheelhouse else "as-released")
     available = index.list_versions(
         values.dist, cache_root=root, index_url=values.index_url, wheelhouse=values.wheelhouse
     )
-    versions = bis.releases_between(available, values.good, values.bad, pre=values.pre)
+    find_fix = bool(getattr(values, "find_fix", False))
+    versions = bis.releases_between(available, values.good, values.bad, pre=values.pre, find_fix=find_fix)
     budget = bis.cell_budget(len(versions))
+    goal = f"the fix of {values.test!r}" if find_fix else repr(values.test)
     say(
-        f"bisecting ({env}) {len(versions)} {values.dist} releases {versions[0]} .. {versions[-1]} for {values.test!r} "
+        f"bisecting ({env}) {len(versions)} {values.dist} releases {versions[0]} .. {versions[-1]} for {goal} "
         f"(torch {values.torch}); at most {budget} cells"
     )
     opts = RunOptions(
@@ -198,11 +201,11 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
 
         return command_line("bisect", {**vars(values), "good": good, "bad": bad})
 
-    res = bis.bisect(versions, evaluate, say=say, resume=resume)
+    res = bis.bisect(versions, evaluate, say=say, resume=resume, find_fix=find_fix)
     changes = None
     try:
-        old = connector_tree(root, cells[res.last_good], values.index_url)
-        new = connector_tree(root, cells[res.first_bad], values.index_url)
+        old = connector_tree(root, cells[res.older], values.index_url)
+        new = connector_tree(root, cells[res.newer], values.index_url)
         changes = bis.diff_trees(old, new)
     except RuntimeError as exc:
         say(f"(no source diff: {exc})")

@@ -117,3 +117,80 @@ def test_diff_trees(tmp_path):
     assert (m.added, m.removed, m.status) == (2, 1, "modified")
     assert changes["vllm/distributed/kv_transfer/gone.py"].status == "removed"
     assert bis.compare_url("0.25.1", "0.26.0") == "https://github.com/vllm-project/vllm/compare/v0.25.1...v0.26.0"
+
+
+def fake_fix(first_good: str, skip=()):
+    """Bad up to ``first_good``, good from it on (a regression that a later release fixed)."""
+    calls = []
+
+    def evaluate(v):
+        calls.append(v)
+        if v in skip:
+            return bis.Step(v, bis.Verdict.SKIP, "cell install error")
+        good = Version(v) >= Version(first_good)
+        return bis.Step(v, bis.Verdict.GOOD if good else bis.Verdict.BAD, "x")
+
+    return evaluate, calls
+
+
+@pytest.mark.parametrize("first_good", ["0.15.0", "0.22.0", "0.27.0", "0.33.0"])
+def test_find_fix_finds_first_good_within_the_same_budget(first_good):
+    evaluate, calls = fake_fix(first_good)
+    lines = []
+    res = bis.bisect(VERSIONS, evaluate, say=lines.append, resume=lambda g, b: f"--bad {b} --good {g}", find_fix=True)
+    assert (res.first_good, res.last_bad) == (first_good, VERSIONS[VERSIONS.index(first_good) - 1])
+    assert res.last_good is None and res.first_bad is None  # a fix answer never poses as a break answer
+    assert res.cells_evaluated == len(calls) <= bis.cell_budget(len(VERSIONS)) == math.ceil(math.log2(20)) + 2
+    assert calls[:2] == [VERSIONS[0], VERSIONS[-1]] and len(set(calls)) == len(calls)
+    assert lines[0].startswith(f"[1/≤{bis.cell_budget(20)}] 0.14.0 (--bad endpoint): BAD")
+    assert "(--good endpoint): GOOD" in lines[1]
+    # resume hands the narrowed ends back as --good/--bad: the newer one is still --good
+    resumes = [line for line in lines if "resume with" in line]
+    assert not resumes or resumes[-1].endswith(f"--bad {res.last_bad} --good {res.first_good}")
+    answer = bis.render_answer(res, [])
+    assert f"first good: {first_good} (last bad: {res.last_bad})" in answer.splitlines()
+    assert f"compare: https://github.com/vllm-project/vllm/compare/v{res.last_bad}...v{first_good}" in answer
+    assert "first bad" not in answer and "last good" not in answer
+
+
+def test_find_fix_skips_are_never_counted():
+    evaluate, _ = fake_fix("0.24.0", skip={"0.23.0", "0.24.0"})
+    res = bis.bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
+    assert (res.last_bad, res.first_good) == ("0.22.0", "0.25.0")
+    assert res.untested_between == ["0.23.0", "0.24.0"]
+    assert "the first good release may be one of them" in bis.render_answer(res, None)
+
+
+def test_find_fix_endpoints_must_be_bad_then_good():
+    evaluate, _ = fake_fix("0.14.0")  # good everywhere: nothing was broken at --bad
+    with pytest.raises(bis.BisectError, match="--bad 0.14.0 is not bad"):
+        bis.bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
+    evaluate, _ = fake_fix("0.99.0")  # never fixed
+    with pytest.raises(bis.BisectError, match="--good 0.33.0 is not good .*pick a newer release"):
+        bis.bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
+    # a break-shaped history is not a fix: the first endpoint (the old one) must fail
+    evaluate, _ = fake("0.20.0")
+    with pytest.raises(bis.BisectError, match="--bad 0.14.0 is not bad"):
+        bis.bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
+
+
+def test_find_fix_releases_run_from_bad_to_good():
+    avail = [Version(v) for v in ["0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.26.0"]]
+    got = bis.releases_between(avail, "0.26.0", "0.19.1", pre=False, find_fix=True)
+    assert got == ["0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.26.0"]
+    with pytest.raises(bis.BisectError, match="with --find-fix, --bad 0.26.0 must be older than --good 0.19.1"):
+        bis.releases_between(avail, "0.19.1", "0.26.0", pre=False, find_fix=True)
+    with pytest.raises(bis.BisectError, match="or add --find-fix"):
+        bis.releases_between(avail, "0.26.0", "0.19.1", pre=False)
+
+
+def test_find_fix_option_and_its_resume_command():
+    argv = ["--find-fix", "--test", "t", "--bad", "0.19.1", "--good", "0.26.0"]
+    values, _ = options.parse("bisect", argv, {})
+    assert values.find_fix is True
+    resume = options.command_line("bisect", {**vars(values), "bad": "0.21.0"})
+    assert resume == "nox -s bisect -- --test t --good 0.26.0 --bad 0.21.0 --find-fix"
+    again, _ = options.parse("bisect", resume.split(" -- ")[1].split(), {})
+    assert vars(again) == {**vars(values), "bad": "0.21.0"}
+    plain, _ = options.parse("bisect", argv[1:], {})
+    assert plain.find_fix is False

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import build_project, run_nox
+from helpers import build_project, one_line_error, run_nox
 
 pytestmark = pytest.mark.slow  # each step builds a cell venv with uv
 
@@ -47,3 +47,50 @@ def test_bisect_names_the_first_bad_release_and_the_changed_connector_file(tmp_p
     )
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert "first bad: 0.0.3" in cli.stdout and cli.stdout.count("unchanged (lock, suite and Python match") == 4
+
+
+def test_find_fix_names_the_first_good_release_after_a_bad_one(tmp_path):
+    """0.0.1 and 0.0.2 carry the broken scan, 0.0.3 fixed it: --find-fix answers 0.0.3 in ceil(log2 4) + 2 cells."""
+    versions = ("0.0.1", "0.0.2", "0.0.3", "0.0.4")
+    project = build_project(tmp_path / "proj", SUITE, versions, files={v: {MULTI: BROKEN} for v in versions[:2]})
+    args = (
+        "--find-fix",
+        "--test",
+        "test_first_wins",
+        "--bad",
+        "0.0.1",
+        "--good",
+        "0.0.4",
+        "--wheelhouse",
+        "wheels/house",
+    )
+    proc = run_nox(project, "-s", "bisect", "--", *args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "first good: 0.0.3 (last bad: 0.0.2)" in out, out
+    assert "last good:" not in out and "first bad:" not in out
+    assert "(--bad endpoint): BAD" in out and "(--good endpoint): GOOD" in out
+    assert "cells evaluated: 4" in out and "[4/≤4]" in out
+    assert "compare: https://github.com/vllm-project/vllm/compare/v0.0.2...v0.0.3" in out
+    assert f"modified +1     -1     {MULTI}" in out  # the connector source that carries the fix
+    assert "--good 0.0.3 --bad 0.0.2 --find-fix --wheelhouse wheels/house" in out  # resumable as a fix search
+
+    # the wrong way round is one line, exit 2
+    swapped = run_nox(
+        project,
+        "-s",
+        "bisect",
+        "--",
+        "--find-fix",
+        "--test",
+        "test_first_wins",
+        "--bad",
+        "0.0.4",
+        "--good",
+        "0.0.1",
+        "--wheelhouse",
+        "wheels/house",
+    )
+    assert one_line_error(swapped).startswith(
+        "kvcompat: error: with --find-fix, --bad 0.0.4 must be older than --good 0.0.1"
+    )
