@@ -49,7 +49,7 @@ def matrix(session: nox.Session, cell_id: str) -> None:
         opts = sessions.run_options(ROOT, values, pytest_args)
         if not session.parallel:  # under -j each cell updates the report itself (below)
             session.notify("report", posargs=[])  # the matrix's posargs are for the cells
-        result = sessions.run_matrix_cell(ROOT, CELLS[cell_id], opts, progress=session.log)
+        result = sessions.run_matrix_cell(ROOT, CELLS[cell_id], opts, progress=session.log, prune=values.prune)
         if session.parallel:
             sessions.update_report(ROOT, [opts.results_dir])
     if not result.outcome.is_green:

