@@ -136,3 +136,43 @@ def test_clicking_a_cell_opens_its_drilldown(report, tmp_path):
         out = Path(os.environ["KVCOMPAT_SCREENSHOT_DIR"])
         out.mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, out / "drilldown.png")
+
+
+def test_history_timeline_renders_and_its_squares_open_the_drilldown(tmp_path):
+    """A history run's page leads with the timeline; a square is a link to its cell's panel."""
+    results = tmp_path / "results"
+    for vllm, torch, outcome, store in [
+        ("0.18.1", "2.10.0", Outcome.PASS, "passed"),
+        ("0.19.1", "2.10.0", Outcome.TEST_FAIL, "failed"),
+        ("0.21.0", "2.11.0", Outcome.TEST_FAIL, "failed"),
+        ("0.22.1", "2.11.0", Outcome.PASS, "passed"),
+    ]:
+        tests = [("test_store_all", store, "E  assert 0 == 2: stored once" if store == "failed" else None)]
+        write_result(
+            results, make_result(vllm, torch, outcome, tests, detail=f"{outcome.label}", versions={"vllm": vllm})
+        )
+    write_reports(build_report([results]), tmp_path / "reports")
+    page = tmp_path / "reports" / "compat.html"
+    link = "#d-vllm-0_19_1__torch-2_10_0__ours"
+    probe = tmp_path / "probe.html"
+    probe.write_text(
+        page.read_text().replace(
+            "</body>",
+            """<script>
+      window.addEventListener('load', () => {
+      const t = document.querySelector('table.timeline');
+      const sq = [...t.querySelectorAll('td.sq')].map(td => td.dataset.status).join(',');
+      const a = t.querySelector('td.sq[data-status="test fail"] a');
+      const p = document.getElementById(a.getAttribute('href').slice(1));
+      const first = t.querySelector('h2') === null && document.querySelector('h2').textContent;
+      document.body.setAttribute('data-probe', 'first=' + first + ';squares=' + sq + ';panel=' + getComputedStyle(p).display
+        + ';fixed=' + t.innerText.includes('0.22.1') + ';width=' + (t.getBoundingClientRect().width > 300));
+      });
+    </script></body>""",
+        )
+    )
+    dom = chromium("--dump-dom", probe.as_uri() + link, tmp_path=tmp_path).stdout
+    assert 'data-probe="first=Timeline;squares=pass,test fail,test fail,pass;panel=block;fixed=true;width=true"' in dom
+    shot = tmp_path / "timeline.png"
+    chromium(f"--screenshot={shot}", "--window-size=1400,900", page.as_uri(), tmp_path=tmp_path)
+    assert shot.stat().st_size > 10_000

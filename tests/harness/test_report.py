@@ -247,3 +247,149 @@ def test_ecosystem_drift_names_the_packages_that_moved_most_relevant_first(tmp_p
     ) in md
     # the same release in two environments: two rows (the torch 2.14.0 column is the 0.33.0 cells')
     assert "| **0.22.1 (as released)** |  | 🟢 pass 1/1 |" in md and "| **0.22.1** |  | 🔴 test fail 0/1 |" in md
+
+
+# -- the timeline (a history run) -------------------------------------------------------------------
+
+
+def history_results(tmp_path):
+    """Six releases: test_store breaks in 0.19.1, 0.20.2 cannot install, fixed in 0.22.1; test_hma is refused
+    (unsupported) from 0.21.0; 0.23.0 times out; an override cell of 0.19.1 stays out of the timeline."""
+    results = tmp_path / "results"
+    rows = {
+        "0.18.1": ("2.10.0", Outcome.PASS, [("test_store", "passed", None), ("test_hma", "not_applicable", "no HMA")]),
+        "0.19.1": (
+            "2.10.0",
+            Outcome.TEST_FAIL,
+            [("test_store", "failed", "E  assert 0 == 2\nstored once"), ("test_hma", "not_applicable", "no HMA")],
+        ),
+        "0.20.2": ("2.11.0", Outcome.INSTALL_ERROR, []),
+        "0.21.0": (
+            "2.11.0",
+            Outcome.TEST_FAIL,
+            [("test_store", "failed", "stored once"), ("test_hma", "unsupported", "vLLM refused HMA")],
+        ),
+        "0.22.1": (
+            "2.11.0",
+            Outcome.UNSUPPORTED,
+            [("test_store", "passed", None), ("test_hma", "unsupported", "vLLM refused HMA")],
+        ),
+        "0.23.0": ("2.11.0", Outcome.TIMEOUT, [("test_store", "passed", None)]),
+    }
+    for vllm, (torch, outcome, tests) in rows.items():
+        write_result(results, result(vllm, torch, outcome, tests, detail=f"{outcome.label} detail"))
+    write_result(
+        results, result("0.19.1", "2.11.0", Outcome.PASS, [("test_store", "passed", None)], torch_override=True)
+    )
+    return results
+
+
+def test_timeline_rows_are_contracts_and_columns_releases_oldest_first(tmp_path):
+    rep = build_report([history_results(tmp_path)])
+    assert rep.is_history
+    tl = rep.timeline()
+    assert [c.release for c in tl.columns] == ["0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0"]
+    assert [c.torch for c in tl.columns][:3] == ["torch 2.10.0", "torch 2.10.0", "torch 2.11.0"]  # the pinned cell
+    assert all(c.suites == ["ours/fake"] for c in tl.columns)
+    rows = {r.label: r for r in tl.rows}
+    assert set(rows) == {"test_multi.py::test_hma", "test_multi.py::test_store"}
+    store = rows["test_multi.py::test_store"]
+    assert [s.status for s in store.squares] == ["pass", "test fail", "install error", "test fail", "pass", "pass"]
+    assert (store.first_fail, store.last_pass, store.fixed_in) == ("0.19.1", "0.18.1", "0.22.1")
+    assert store.untested_break == [] and store.untested_fix == [] and not store.failing_now
+    hma = rows["test_multi.py::test_hma"]
+    # unsupported is a red verdict; n/a and a timed-out cell's missing test are stepped over
+    assert [s.status for s in hma.squares] == [
+        "not applicable",
+        "not applicable",
+        "install error",
+        "unsupported",
+        "unsupported",
+        "timeout",
+    ]
+    assert (hma.first_fail, hma.last_pass, hma.fixed_in) == ("0.21.0", None, None) and hma.failing_now
+
+
+def test_timeline_never_greener_than_the_cell(tmp_path):
+    """A cell that could not import says so in every square, even over tests that passed in it."""
+    results = history_results(tmp_path)
+    write_result(
+        results, result("0.24.0", "2.11.0", Outcome.IMPORT_ERROR, [("test_store", "passed", None)], detail="ABI ✗ 1")
+    )
+    rows = {r.label: r for r in build_report([results]).timeline().rows}
+    assert rows["test_multi.py::test_store"].squares[-1].status == "import error"
+    assert rows["test_multi.py::test_store"].fixed_in == "0.22.1"  # the import error neither breaks nor fixes
+
+
+def test_timeline_names_untested_releases_and_earlier_runs():
+    from kvcompat.report.markdown import timeline_summary
+    from kvcompat.report.model import Report
+
+    def cell(v, o, tests):
+        return result(v, "2.11.0", o, tests)
+
+    rep = Report(
+        [
+            cell("0.10.0", Outcome.TEST_FAIL, [("test_x", "failed", "x")]),
+            cell("0.11.0", Outcome.PASS, [("test_x", "passed", None)]),
+            cell("0.12.0", Outcome.UNRESOLVABLE, []),
+            cell("0.13.0", Outcome.TEST_ERROR, [("test_x", "error", "boom")]),
+            cell("0.14.0", Outcome.NOT_APPLICABLE, [("test_x", "not_applicable", "absent")]),
+            cell("0.15.0", Outcome.PASS, [("test_x", "passed", None)]),
+        ],
+        generated="now",
+    )
+    (row,) = rep.timeline().rows
+    assert (row.first_fail, row.last_pass, row.fixed_in, row.earlier) == ("0.13.0", "0.11.0", "0.15.0", 1)
+    assert row.untested_break == ["0.12.0"] and row.untested_fix == ["0.14.0"]
+    assert timeline_summary(row) == (
+        "0.13.0 (untested before it: 0.12.0); 1 earlier run fixed",
+        "0.11.0",
+        "0.15.0 (untested before it: 0.14.0)",
+    )
+
+
+def test_markdown_leads_with_the_timeline_in_a_history_run(tmp_path):
+    md = render_markdown(build_report([history_results(tmp_path)]))
+    assert md.index("## Timeline") < md.index("## Grid") < md.index("## Details")
+    assert "0.19.1<br><sub>torch 2.10.0 · ours/fake</sub>" in md
+    assert "| `test_multi.py::test_store` | 🟢 | 🔴 | 🔧 | 🔴 | 🟢 | 🟢 | 0.19.1 | 0.18.1 | 0.22.1 |" in md
+    assert "| `test_multi.py::test_hma` | ⚪ | ⚪ | 🔧 | 🟤 | 🟤 | ⏱️ | 0.21.0 | never | not yet |" in md
+    assert "## Per-test breakdown" not in md  # the timeline is the breakdown
+    from kvcompat.report.markdown import TIMELINE_MARK
+    from kvcompat.report.model import SQUARE_STATUSES
+
+    assert list(TIMELINE_MARK) == list(SQUARE_STATUSES) and len(set(TIMELINE_MARK.values())) == len(SQUARE_STATUSES)
+    # three releases (one unresolvable) are no history: the grid leads as before
+    assert "## Timeline" not in render_markdown(build_report([sample(tmp_path / "two")]))
+
+
+def test_step_summary_shows_the_timeline(tmp_path):
+    summary = tmp_path / "summary.md"
+    values, _ = options.parse("report", [], {"GITHUB_STEP_SUMMARY": str(summary)})
+    write_reports(build_report([history_results(tmp_path)]), tmp_path / "reports", summary_file=values.summary_file)
+    text = summary.read_text()
+    assert "## Timeline" in text and "| `test_multi.py::test_store` | 🟢 | 🔴 |" in text
+
+
+def test_terminal_prints_the_timeline_above_the_grid(tmp_path):
+    out = render_terminal(build_report([history_results(tmp_path)]))
+    lines = out.splitlines()
+    store = next(line for line in lines if line.startswith("test_multi.py::test_store"))
+    assert "✓ F X F ✓ ✓  0.19.1 / 0.18.1 / 0.22.1" in store
+    hma = next(line for line in lines if line.startswith("test_multi.py::test_hma"))
+    assert "- - X U U T  0.21.0 / never / not yet" in hma
+    assert out.index("first fail / last pass / fixed in") < out.index("torch 2.11.0")
+
+
+def test_html_timeline_squares_open_the_cells_drilldown(tmp_path):
+    from kvcompat.report.webpage import SQUARE, render_html
+
+    html = render_html(build_report([history_results(tmp_path)]))
+    assert html.index("<h2>Timeline</h2>") < html.index("<h2>Grid</h2>")
+    assert '<th class="rowhead">torch</th><th>2.10.0</th><th>2.10.0</th><th>2.11.0</th>' in html
+    assert 'data-status="test fail"><a href="#d-vllm-0_19_1__torch-2_10_0__ours"' in html
+    assert 'id="d-vllm-0_19_1__torch-2_10_0__ours"' in html  # the panel it opens
+    assert "stored once" in html  # the failure's last line in the square's title
+    assert len({g for g, _ in SQUARE.values()}) == len(SQUARE)
+    assert "<script" not in html and "http" not in html.split("</style>")[0]  # self-contained

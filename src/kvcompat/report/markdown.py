@@ -1,10 +1,11 @@
-"""reports/compat.md: the grid, regressions and fixes, changes, per-test breakdown, and every red cell's reason."""
+"""reports/compat.md: the timeline (a history run) or the grid, regressions and fixes, changes, per-test breakdown,
+and every red cell's reason."""
 
 from __future__ import annotations
 
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report.drift import environment_pairs
-from kvcompat.report.model import Report, short_test
+from kvcompat.report.model import Report, Timeline, TimelineRow, short_test
 from kvcompat.results import headline
 
 MARK = {
@@ -25,6 +26,62 @@ TEST_MARK = {
     TestOutcome.UNSUPPORTED: "🟤 unsupported",
     TestOutcome.NOT_APPLICABLE: "⚪ n/a",
 }
+# One mark per timeline status, all distinct (the grid's MARK shares colours between kinds of red).
+TIMELINE_MARK = {
+    "pass": "🟢",
+    "test fail": "🔴",
+    "unsupported": "🟤",
+    "test error": "🟠",
+    "timeout": "⏱️",
+    "not applicable": "⚪",
+    "import error": "🟣",
+    "install error": "🔧",
+    "unresolvable": "⚫",
+    "not run": "·",
+}
+
+
+def _untested(first: str, between: list[str]) -> str:
+    return f"{first} (untested before it: {', '.join(between)})" if between else first
+
+
+def timeline_summary(row: TimelineRow) -> tuple[str, str, str]:
+    """first fail, last pass, fixed in: as the timeline's last three columns say them."""
+    if row.first_fail is None:
+        return "—", row.last_pass or "never ran", "—"
+    first = _untested(row.first_fail, row.untested_break)
+    if row.earlier:
+        first += f"; {row.earlier} earlier run{'s' if row.earlier > 1 else ''} fixed"
+    fixed = _untested(row.fixed_in, row.untested_fix) if row.fixed_in else "not yet"
+    return first, row.last_pass or "never", fixed
+
+
+def render_timeline(tl: Timeline) -> list[str]:
+    """Contracts down, releases across (oldest first); each column header says its torch and suites."""
+    heads = []
+    for col in tl.columns:
+        extra = " · ".join([col.torch, *col.suites, *col.notes])
+        heads.append(f"{col.release}<br><sub>{extra}</sub>")
+    out = [
+        "## Timeline",
+        "",
+        f"{len(tl.rows)} contracts × {len(tl.columns)} releases, oldest first. "
+        "First fail, last pass and fixed in describe each contract's newest failing run; "
+        "releases without a verdict (n/a, could not install or import) are stepped over and named.",
+        "",
+        "| contract | " + " | ".join(heads) + " | first fail | last pass | fixed in |",
+        "|---|" + ":-:|" * len(heads) + "---|---|---|",
+    ]
+    for row in tl.rows:
+        marks = [TIMELINE_MARK[sq.status] if sq else TIMELINE_MARK["not run"] for sq in row.squares]
+        out.append(f"| `{row.label}` | " + " | ".join(marks) + " | " + " | ".join(timeline_summary(row)) + " |")
+    counts = tl.counts()
+    out += [
+        "",
+        "Legend: " + ", ".join(f"{m} {s} ({counts[s]})" for s, m in TIMELINE_MARK.items()),
+        "",
+    ]
+    return out
 
 
 def render_markdown(rep: Report) -> str:
@@ -33,6 +90,8 @@ def render_markdown(rep: Report) -> str:
         return "\n".join(out + ["No results yet: run `nox -s matrix`.", ""])
     totals = ", ".join(f"{n} {Outcome(k).label}" for k, n in rep.totals().items() if n)
     out += [f"Generated {rep.generated} from {len(rep.results)} cells: {totals}.", ""]
+    if rep.is_history:  # many releases: the timeline leads, the grid (every cell, overrides too) follows
+        out += render_timeline(rep.timeline()) + ["## Grid", ""]
     out += ["| vLLM \\ torch | " + " | ".join(rep.columns) + " |", "|---|" + "---|" * len(rep.columns)]
     for row in rep.rows:
         cells = [(f"{MARK[gc.outcome]} {gc.text()}" if (gc := rep.at(row, col)) else "") for col in rep.columns]
@@ -89,7 +148,7 @@ def render_markdown(rep: Report) -> str:
         out.append("")
 
     ran = [gc for gc in rep.ordered() if gc.tests]
-    if ran:
+    if ran and not rep.is_history:  # a history run's timeline already is the per-test breakdown
         out += ["## Per-test breakdown", ""]
         heads = [f"{gc.row} / {rep.column(gc)}" for gc in ran]
         out += ["| test | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]

