@@ -178,8 +178,8 @@ def parse_vllm_spec(
 ) -> Version | SpecifierSet | Path:
     """``"0.33.0"``, ``"==0.33.0"`` and ``"vllm==0.33.0"`` are releases; ``">=0.30,<0.34"`` a range.
 
-    A ``.whl`` path is relative to the matrix file and, with ``project``, must stay inside the project
-    (symlinks resolved): a matrix cannot point a cell at any file on the machine.  It goes to uv as a
+    A ``.whl`` path is relative to the matrix file and, with ``project``, must stay inside the project or
+    the matrix file's own folder (symlinks resolved): a matrix cannot point a cell at any file on the machine.  It goes to uv as a
     line of a requirements file, so a character that could start another line or an option there
     (whitespace, control characters, ``#``, ``;``) is refused before it gets that far.
     """
@@ -194,9 +194,11 @@ def parse_vllm_spec(
                 "rename it to letters, digits and . _ + - / only"
             )
         path = (base / spec).resolve()
-        if project is not None and not path.is_relative_to(project.resolve()):
+        allowed = {project.resolve(), base.resolve()} if project is not None else set()
+        if allowed and not any(path.is_relative_to(folder) for folder in allowed):
+            beside = "" if base.resolve() == project.resolve() else f" and the matrix file's folder {base.resolve()}"
             raise MatrixError(
-                f"{where}: wheel {spec} is {path}, outside the project {project.resolve()}; "
+                f"{where}: wheel {spec} is {path}, outside the project {project.resolve()}{beside}; "
                 "copy it into the project (e.g. dist/) and point the entry there"
             )
         if not path.is_file():
