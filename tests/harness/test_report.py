@@ -292,12 +292,12 @@ def test_timeline_rows_are_contracts_and_columns_releases_oldest_first(tmp_path)
     assert [c.torch for c in tl.columns][:3] == ["torch 2.10.0", "torch 2.10.0", "torch 2.11.0"]  # the pinned cell
     assert all(c.suites == ["ours/fake"] for c in tl.columns)
     rows = {r.label: r for r in tl.rows}
-    assert set(rows) == {"test_multi.py::test_hma", "test_multi.py::test_store"}
-    store = rows["test_multi.py::test_store"]
+    assert set(rows) == {"test_hma", "test_store"}
+    store = rows["test_store"]
     assert [s.status for s in store.squares] == ["pass", "test fail", "install error", "test fail", "pass", "pass"]
     assert (store.first_fail, store.last_pass, store.fixed_in) == ("0.19.1", "0.18.1", "0.22.1")
     assert store.untested_break == [] and store.untested_fix == [] and not store.failing_now
-    hma = rows["test_multi.py::test_hma"]
+    hma = rows["test_hma"]
     # unsupported is a red verdict; n/a and a timed-out cell's missing test are stepped over
     assert [s.status for s in hma.squares] == [
         "not applicable",
@@ -317,8 +317,8 @@ def test_timeline_never_greener_than_the_cell(tmp_path):
         results, result("0.24.0", "2.11.0", Outcome.IMPORT_ERROR, [("test_store", "passed", None)], detail="ABI ✗ 1")
     )
     rows = {r.label: r for r in build_report([results]).timeline().rows}
-    assert rows["test_multi.py::test_store"].squares[-1].status == "import error"
-    assert rows["test_multi.py::test_store"].fixed_in == "0.22.1"  # the import error neither breaks nor fixes
+    assert rows["test_store"].squares[-1].status == "import error"
+    assert rows["test_store"].fixed_in == "0.22.1"  # the import error neither breaks nor fixes
 
 
 def test_timeline_names_untested_releases_and_earlier_runs():
@@ -353,8 +353,8 @@ def test_markdown_leads_with_the_timeline_in_a_history_run(tmp_path):
     md = render_markdown(build_report([history_results(tmp_path)]))
     assert md.index("## Timeline") < md.index("## Grid") < md.index("## Details")
     assert "0.19.1<br><sub>torch 2.10.0 · ours/fake</sub>" in md
-    assert "| `test_multi.py::test_store` | 🟢 | 🔴 | 🔧 | 🔴 | 🟢 | 🟢 | 0.19.1 | 0.18.1 | 0.22.1 |" in md
-    assert "| `test_multi.py::test_hma` | ⚪ | ⚪ | 🔧 | 🟤 | 🟤 | ⏱️ | 0.21.0 | never | not yet |" in md
+    assert "| `test_store` | 🟢 | 🔴 | 🔧 | 🔴 | 🟢 | 🟢 | 0.19.1 | 0.18.1 | 0.22.1 |" in md
+    assert "| `test_hma` | ⚪ | ⚪ | 🔧 | 🟤 | 🟤 | ⏱️ | 0.21.0 | never | not yet |" in md
     assert "## Per-test breakdown" not in md  # the timeline is the breakdown
     from kvcompat.report.markdown import TIMELINE_MARK
     from kvcompat.report.model import SQUARE_STATUSES
@@ -369,15 +369,15 @@ def test_step_summary_shows_the_timeline(tmp_path):
     values, _ = options.parse("report", [], {"GITHUB_STEP_SUMMARY": str(summary)})
     write_reports(build_report([history_results(tmp_path)]), tmp_path / "reports", summary_file=values.summary_file)
     text = summary.read_text()
-    assert "## Timeline" in text and "| `test_multi.py::test_store` | 🟢 | 🔴 |" in text
+    assert "## Timeline" in text and "| `test_store` | 🟢 | 🔴 |" in text
 
 
 def test_terminal_prints_the_timeline_above_the_grid(tmp_path):
     out = render_terminal(build_report([history_results(tmp_path)]))
     lines = out.splitlines()
-    store = next(line for line in lines if line.startswith("test_multi.py::test_store"))
+    store = next(line for line in lines if line.startswith("test_store"))
     assert "✓ F X F ✓ ✓  0.19.1 / 0.18.1 / 0.22.1" in store
-    hma = next(line for line in lines if line.startswith("test_multi.py::test_hma"))
+    hma = next(line for line in lines if line.startswith("test_hma"))
     assert "- - X U U T  0.21.0 / never / not yet" in hma
     assert out.index("first fail / last pass / fixed in") < out.index("torch 2.11.0")
 
@@ -393,3 +393,16 @@ def test_html_timeline_squares_open_the_cells_drilldown(tmp_path):
     assert "stored once" in html  # the failure's last line in the square's title
     assert len({g for g, _ in SQUARE.values()}) == len(SQUARE)
     assert "<script" not in html and "http" not in html.split("</style>")[0]  # self-contained
+
+
+def test_timeline_names_the_file_only_where_a_test_name_is_ambiguous():
+    from kvcompat.report.model import Report
+
+    cells = [
+        make_result(v, "2.11.0", Outcome.PASS, [("test_a", "passed", None)], prefix="tests/connectors/test_x.py::")
+        for v in ("0.1.0", "0.2.0", "0.3.0", "0.4.0")
+    ]
+    cells[0].tests += make_result(tests=[("test_a", "passed", None)], prefix="tests/connectors/test_y.py::").tests
+    cells[0].tests += make_result(tests=[("test_b[1]", "passed", None)]).tests
+    labels = [r.label for r in Report(cells, generated="now").timeline().rows]
+    assert labels == ["test_b[1]", "test_x.py::test_a", "test_y.py::test_a"]

@@ -323,10 +323,12 @@ class TimelineRow:
     # and between the last failure and fixed_in (so may the fix): never counted either way
     untested_break: list[str] = dataclasses.field(default_factory=list)
     untested_fix: list[str] = dataclasses.field(default_factory=list)
+    show_file: bool = False  # the test's name alone is ambiguous in this timeline
 
     @property
     def label(self) -> str:
-        return short_test(self.test) if self.suite == "ours" else f"{self.suite}: {short_test(self.test)}"
+        name = short_test(self.test) if self.show_file else self.test.split("::", 1)[-1]
+        return name if self.suite == "ours" else f"{self.suite}: {name}"
 
     @property
     def failing_now(self) -> bool:
@@ -402,6 +404,9 @@ def build_timeline(rep: Report) -> Timeline:
                 continue
             squares.append(square_for(gc, next((t for t in gc.tests if t.nodeid == nodeid), None)))
         rows.append(_summarise(TimelineRow(suite, nodeid, squares), columns))
+    names = [(r.suite, r.test.split("::", 1)[-1]) for r in rows]
+    for row, name in zip(rows, names, strict=True):
+        row.show_file = names.count(name) > 1
     return Timeline(columns, rows)
 
 

