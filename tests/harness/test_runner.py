@@ -67,7 +67,7 @@ def test_passing_suite_passes_and_records_everything(tmp_path, fake_wheel, make_
     wheel = fake_wheel()
     result = run(wheel_cell(wheel), tmp_path, opts(suite), lines)
     assert result.outcome is Outcome.PASS, result.log_tail
-    assert result.counts() == {"passed": 2, "failed": 0, "error": 0, "not_applicable": 1}
+    assert result.counts() == {"passed": 2, "failed": 0, "error": 0, "unsupported": 0, "not_applicable": 1}
     assert result.versions["vllm"] == "0.0.1" and "pytest" in result.versions
     assert result.python and result.python.startswith("3.11")
     # A green suite imported vLLM itself: no separate import probe.
