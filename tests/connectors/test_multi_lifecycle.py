@@ -150,6 +150,25 @@ def test_load_errors_of_either_child_reach_the_scheduler(worker, monkeypatch, fa
     assert multi.get_block_ids_with_load_errors() == errors[failing]
 
 
+def test_failed_receives_of_either_child_come_out_of_the_worker(worker, monkeypatch):
+    """A child's failed receive (failed_recving: a load that will never complete) comes out
+    of the worker-side MultiConnector's transfer results, so the scheduler can recompute the
+    request instead of waiting on it forever."""
+    _, multi = worker
+    if ch.completion_hook() != "get_transfer_results":
+        not_applicable("this release's connectors report no failed receives (get_finished only)")
+    import importlib
+
+    Results = importlib.import_module(va.V1 + ".base").KVConnectorTransferResults
+    for i, child in enumerate(multi._connectors):
+        failed = {f"lost-{i}"}
+        answer = lambda *_, _f=failed: Results(finished_recving=set(_f), failed_recving=set(_f))  # noqa: E731
+        ch.spy(monkeypatch, child, "get_transfer_results", answer)
+    results = multi.get_transfer_results(set())
+    assert results.failed_recving == {"lost-0", "lost-1"}, f"failed_recving: {results.failed_recving}"
+    assert {"lost-0", "lost-1"} <= results.finished_recving
+
+
 def test_failed_load_tokens_are_recomputed_not_counted(engine):
     """A load from the CPU-offload child whose block failed (invalid_block_ids in the
     worker's output) does not count that block's tokens as computed: the request is
@@ -296,6 +315,12 @@ def test_finished_recving_unblocks_the_waiting_request(engine, child):
         engine.step(report_offload=False)
     assert req.status != RequestStatus.WAITING_FOR_REMOTE_KVS, "finished load never unblocked the request"
     assert req.num_computed_tokens >= 3 * BLOCK
+    for _ in range(4):
+        if req.is_finished():
+            break
+        engine.step(report_offload=False)
+    assert req.is_finished(), f"request never finished ({req.status})"
+    assert "recv-dst" not in engine.multi._requests_to_connector, "the finished request's load choice was kept"
 
 
 # ---------------------------------------------------------------------------
@@ -324,6 +349,11 @@ def test_nixl_handshake_metadata_comes_out_and_goes_to_every_child(engine, worke
         got = [len(c) for c in calls]
         assert got == [1, 1], f"{setter} calls per child: {got}"
         assert calls[0].args[0][0] == {0: own}
+        pp_aware = "set_xfer_handshake_metadata_pp_aware"
+        if hasattr(ch.base_class(), pp_aware):  # what EngineCore calls from 0.23 (engine/core.py)
+            calls = [ch.spy(monkeypatch, c, pp_aware, lambda *a: None) for c in engine.multi._connectors]
+            getattr(engine.multi, pp_aware)({(0, 0): own})
+            assert [len(c) for c in calls] == [1, 1], f"{pp_aware} calls per child: {[len(c) for c in calls]}"
     finally:
         engine.multi.shutdown()
 
@@ -364,7 +394,12 @@ def test_reset_cache_is_false_when_a_child_could_not_reset(engine, monkeypatch):
     for refusing in (0, 1):
         for i, c in enumerate(engine.multi._connectors):
             ch.spy(monkeypatch, c, "reset_cache", lambda _r=(i != refusing): _r)
+        calls = [
+            ch.spy(monkeypatch, c, "reset_cache", lambda _r=(i != refusing): _r)
+            for i, c in enumerate(engine.multi._connectors)
+        ]
         assert engine.multi.reset_cache() is False, f"child {refusing} did not reset, MultiConnector said it did"
+        assert [len(c) for c in calls] == [1, 1], "a child that failed to reset kept the other from resetting"
     for c in engine.multi._connectors:
         ch.spy(monkeypatch, c, "reset_cache", lambda: True)
     assert engine.multi.reset_cache() is True
@@ -415,3 +450,6 @@ def test_connector_stats_are_kept_per_child_under_the_releases_key(worker, monke
     assert {k: v.data for k, v in stats.data.items()} == {names[0]: {"n": 2}, names[1]: {"n": 5}}
     ch.spy(monkeypatch, multi._connectors[1], "get_kv_connector_stats", lambda: None)
     assert list(multi.get_kv_connector_stats().data) == [names[0]]
+    ch.spy(monkeypatch, multi._connectors[0], "get_kv_connector_stats", lambda: None)
+    ch.spy(monkeypatch, multi._connectors[1], "get_kv_connector_stats", lambda: given[1])
+    assert list(multi.get_kv_connector_stats().data) == [names[1]], "a child without stats hid the next one's"
