@@ -128,7 +128,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--min-free-gb",
         "free disk a new cell needs before it starts, in GiB",
-        ("matrix",),
+        ("matrix", "bisect"),
         positive("GiB", "15"),
         default=15.0,
         metavar="GIB",

@@ -211,6 +211,7 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
         repo=root,
         results_dir=root / "results",
         force=values.force,
+        min_free_gb=values.min_free_gb,
         find_links=values.find_links,
         index_url=values.index_url,
         upstream_index=values.index_url,
