@@ -58,9 +58,16 @@ def test_a_torch_override_brings_the_torchvision_built_for_that_torch(tmp_path, 
         ),
         build_wheel(w, {"vllm/__init__.py": ""}, version="0.19.1", requires=["torch==2.14.0", "torchvision==0.29.0"]),
     ]
-    options = RunOptions(repo=REPO, results_dir=tmp_path / "r", suite="s", index_url=file_index(tmp_path, wheels))
+    options = RunOptions(
+        repo=REPO,
+        results_dir=tmp_path / "r",
+        suite="s",
+        work_dir=tmp_path / "work",
+        index_url=file_index(tmp_path, wheels),
+    )
     said: list[str] = []
     ctx = CellContext(Cell(vllm="0.19.1", torch="2.11.0", torch_override=True), tmp_path / "venv", options, said.append)
+    ctx.files.work.mkdir(parents=True)  # as the begin phase makes it: the missing torchaudio is logged there
     assert companion_overrides(ctx, offline=False) == ["torchvision==0.26.0"]
     monkeypatch.setattr(Cell, "requirements", lambda self: ["vllm==0.19.1"])  # not pytest & co, absent here
     res = resolve_lock(ctx, offline=False)
