@@ -12,6 +12,7 @@ test here not-applicable.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import pytest
 
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable, probes
+from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -205,3 +207,25 @@ def build_worker(engine, build):
             return build(cfg, va.kv_connector_role().WORKER, kvc)
     finally:
         os.sched_setaffinity(0, affinity)
+
+
+@pytest.fixture
+def fake_nixl(monkeypatch, release):
+    module, attr = va.nixl_wrapper_target()
+    mod = importlib.import_module(module)
+    assert hasattr(mod, attr), f"{module} has no {attr} to patch"
+    monkeypatch.setattr(mod, attr, FakeNixlWrapper)
+    FakeNixlWrapper.reset()
+    yield FakeNixlWrapper
+    FakeNixlWrapper.reset()
+
+
+@pytest.fixture
+def worker_multi(make_engine, fake_nixl, single_rank_distributed):
+    """A WORKER-role MultiConnector built by the release's factory, on CPU."""
+    engine = make_engine(num_blocks=16)
+    affinity = os.sched_getaffinity(0)
+    multi = build_worker(engine, va.create_connector)
+    yield engine, multi
+    multi.shutdown()
+    os.sched_setaffinity(0, affinity)

@@ -13,7 +13,6 @@ is marked ``gpu``: on a GPU-less cell it fails with vLLM's own CUDA error.
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
@@ -24,28 +23,6 @@ from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 
 from conftest import BLOCK, build_worker, token_ids
-
-
-@pytest.fixture
-def fake_nixl(monkeypatch, release):
-    module, attr = va.nixl_wrapper_target()
-    mod = importlib.import_module(module)
-    assert hasattr(mod, attr), f"{module} has no {attr} to patch"
-    monkeypatch.setattr(mod, attr, FakeNixlWrapper)
-    FakeNixlWrapper.reset()
-    yield FakeNixlWrapper
-    FakeNixlWrapper.reset()
-
-
-@pytest.fixture
-def worker_multi(make_engine, fake_nixl, single_rank_distributed):
-    """A WORKER-role MultiConnector built by the release's factory, on CPU."""
-    engine = make_engine(num_blocks=16)
-    affinity = os.sched_getaffinity(0)
-    multi = build_worker(engine, va.create_connector)
-    yield engine, multi
-    multi.shutdown()
-    os.sched_setaffinity(0, affinity)
 
 
 @pytest.fixture
