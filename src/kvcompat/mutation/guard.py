@@ -20,7 +20,6 @@ import fcntl
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from kvcompat.atomic import write_atomic
@@ -51,19 +50,8 @@ def record_hash(site: Path, target: str = TARGET) -> str:
 
 
 def replace_file(path: Path, data: bytes) -> None:
-    """Give ``path`` new contents by writing a new file and renaming it over ``path`` (never writing through it)."""
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".mutant", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Give ``path`` new contents, keeping its permissions, by renaming a new file over it (never writing through it)."""
+    write_atomic(path, data, mode=path.stat().st_mode & 0o777 if path.exists() else 0o644)
 
 
 class Guard:
