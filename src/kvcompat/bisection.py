@@ -166,31 +166,18 @@ def bisect(
         say(f"[{len(steps)}/≤{budget}] {versions[i]} ({role}): {step.verdict.value.upper()} - {step.why}")
         return step
 
+    def endpoint(i: int, flag: str, wanted: Verdict, fix: str) -> Step:
+        step = run(i, f"{flag} endpoint")
+        if step.verdict is not wanted:
+            raise BisectError(f"{flag} {versions[i]} is not {wanted.value} ({step.verdict.value}: {step.why}); {fix}")
+        return step
+
     if find_fix:
-        first = run(0, "--bad endpoint")
-        if first.verdict is not Verdict.BAD:
-            raise BisectError(
-                f"--bad {versions[0]} is not bad ({first.verdict.value}: {first.why}); "
-                "pick a release where the test fails"
-            )
-        last = run(n - 1, "--good endpoint")
-        if last.verdict is not Verdict.GOOD:
-            raise BisectError(
-                f"--good {versions[-1]} is not good ({last.verdict.value}: {last.why}); "
-                "pick a newer release where the test passes"
-            )
+        endpoint(0, "--bad", Verdict.BAD, "pick a release where the test fails")
+        endpoint(n - 1, "--good", Verdict.GOOD, "pick a newer release where the test passes")
     else:
-        first = run(0, "--good endpoint")
-        if first.verdict is not Verdict.GOOD:
-            raise BisectError(
-                f"--good {versions[0]} is not good ({first.verdict.value}: {first.why}); "
-                "pick an older release where the test passes"
-            )
-        last = run(n - 1, "--bad endpoint")
-        if last.verdict is not Verdict.BAD:
-            raise BisectError(
-                f"--bad {versions[-1]} is not bad ({last.verdict.value}: {last.why}); pick a release where the test fails"
-            )
+        endpoint(0, "--good", Verdict.GOOD, "pick an older release where the test passes")
+        endpoint(n - 1, "--bad", Verdict.BAD, "pick a release where the test fails")
 
     lo, hi, skipped = 0, n - 1, set()
     while True:
