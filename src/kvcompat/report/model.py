@@ -274,6 +274,10 @@ _FROM_TEST = {
     TestOutcome.NOT_APPLICABLE: "not applicable",
 }
 BAD_SQUARES = ("test fail", "unsupported", "test error")  # verdicts against the release (as in bisect)
+# The outcome whose colour a square takes: each status but "not run" is an outcome's label.
+SQUARE_OUTCOME: dict[str, Outcome | None] = {
+    s: next((o for o in Outcome if o.label == s), None) for s in SQUARE_STATUSES
+}
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from kvcompat.outcomes import Outcome
-from kvcompat.report.model import Report, Timeline
+from kvcompat.report.model import SQUARE_OUTCOME, Report, Timeline
 
 ANSI = {
     Outcome.PASS: "32",
@@ -20,18 +20,18 @@ ANSI = {
 }
 
 
-# One character per timeline status, all distinct, and the colour of the outcome it stands for.
+# One character per timeline status, all distinct (coloured as model.SQUARE_OUTCOME says).
 GLYPH = {
-    "pass": ("✓", Outcome.PASS),
-    "test fail": ("F", Outcome.TEST_FAIL),
-    "unsupported": ("U", Outcome.UNSUPPORTED),
-    "test error": ("E", Outcome.TEST_ERROR),
-    "timeout": ("T", Outcome.TIMEOUT),
-    "not applicable": ("-", Outcome.NOT_APPLICABLE),
-    "import error": ("I", Outcome.IMPORT_ERROR),
-    "install error": ("X", Outcome.INSTALL_ERROR),
-    "unresolvable": ("0", Outcome.UNRESOLVABLE),
-    "not run": (" ", None),
+    "pass": "✓",
+    "test fail": "F",
+    "unsupported": "U",
+    "test error": "E",
+    "timeout": "T",
+    "not applicable": "-",
+    "import error": "I",
+    "install error": "X",
+    "unresolvable": "0",
+    "not run": " ",
 }
 
 
@@ -49,11 +49,12 @@ def render_timeline(tl: Timeline, color: bool = False) -> str:
     for row in tl.rows:
         marks = []
         for sq in row.squares:
-            glyph, outcome = GLYPH[sq.status if sq else "not run"]
+            status = sq.status if sq else "not run"
+            glyph, outcome = GLYPH[status], SQUARE_OUTCOME[status]
             marks.append(f"\033[{ANSI[outcome]}m{glyph}\033[0m" if color and outcome else glyph)
         first, last, fixed = timeline_summary(row)
         lines.append(row.label.ljust(w0) + "  " + " ".join(marks) + f"  {first} / {last} / {fixed}")
-    lines.append("  ".join(f"{g if g != ' ' else '(blank)'} {s}" for s, (g, _o) in GLYPH.items()))
+    lines.append("  ".join(f"{g if g != ' ' else '(blank)'} {s}" for s, g in GLYPH.items()))
     return "\n".join(lines)
 
 

