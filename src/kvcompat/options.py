@@ -131,6 +131,7 @@ OPTIONS: tuple[Option, ...] = (
         ("matrix", "bisect"),
         positive("GiB", "15"),
         default=15.0,
+        env="KVCOMPAT_MIN_FREE_GB",
         metavar="GIB",
     ),
     Option(

@@ -26,6 +26,7 @@ from kvcompat.run.workflow import run_cell
 
 from helpers import (
     REPO,
+    SMALL_CELL_GB,
     IndexServer,
     build_project,
     build_wheel,
@@ -41,10 +42,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import first_w
 def test_first_wins():
     assert first_wins([0, 3]) == 1
 """
-
-
-# Fake cells need a few MB: these tests are about other faults than a disk short of a real cell's 15 GiB.
-SMALL_CELL_GB = "0.1"
 
 
 def run_options(tmp_path: Path, suite: Path, **kw) -> RunOptions:
@@ -211,7 +208,7 @@ def test_two_nox_matrix_runs_at_once_never_share_a_venv(tmp_path):
     project = build_project(tmp_path / "proj", HANGING_SUITE, versions=("0.0.1",))
     pidfile = tmp_path / "hung.pid"
     first = subprocess.Popen(
-        nox_command(project, "-s", "matrix", "--", f"--min-free-gb={SMALL_CELL_GB}"),
+        nox_command(project, "-s", "matrix"),
         cwd=project,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -223,14 +220,14 @@ def test_two_nox_matrix_runs_at_once_never_share_a_venv(tmp_path):
         while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert pidfile.exists(), "the first run never reached its pytest"
-        second = run_nox(project, "-s", "matrix", "--", f"--min-free-gb={SMALL_CELL_GB}")
+        second = run_nox(project, "-s", "matrix")
         err = one_line_error(second)
         assert f"is being run by pid {first.pid} on " in err and "(`nox -f " in err and "-s matrix" in err, err
         assert "install …" not in second.stdout + second.stderr  # it never touched the venv
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-    third = run_nox(project, "-s", "matrix", "--", f"--min-free-gb={SMALL_CELL_GB}")
+    third = run_nox(project, "-s", "matrix")
     assert third.returncode == 0, third.stdout + third.stderr
 
 
@@ -445,10 +442,10 @@ def test_record_check_names_edited_missing_and_added_files(tmp_path, fake_wheel)
 def test_nox_matrix_on_an_edited_venv_is_one_line_and_exit_2(tmp_path):
     """Fault 5, through real nox: the edited cell refuses in one line (exit 2); the report does not show it green."""
     project = build_project(tmp_path / "proj", SUITE, versions=("0.0.1",))
-    assert run_nox(project, "-s", "matrix", "--", f"--min-free-gb={SMALL_CELL_GB}").returncode == 0
+    assert run_nox(project, "-s", "matrix").returncode == 0
     venv = next(p for p in (project / ".kvcompat" / "venvs").iterdir() if p.is_dir())  # not its .lock
     replace_file(site_packages(venv) / CONNECTOR, "def first_wins(children):\n    return 1\n")
-    err = one_line_error(run_nox(project, "-s", "matrix", "--", "--force", f"--min-free-gb={SMALL_CELL_GB}"))
+    err = one_line_error(run_nox(project, "-s", "matrix", "--", "--force"))
     assert "edited: kv_connector/v1/multi_connector.py" in err and f"rm -rf {venv}" in err, err
     report = run_nox(project, "-s", "report")
     assert "install error" in report.stdout and "pass" not in report.stdout, report.stdout

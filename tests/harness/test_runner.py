@@ -19,7 +19,7 @@ from kvcompat.run.install import DiskFullError
 from kvcompat.run.options import RunOptions
 from kvcompat.run.workflow import run_cell
 
-from helpers import REPO
+from helpers import REPO, SMALL_CELL_GB
 
 pytestmark = pytest.mark.slow  # builds venvs with uv
 
@@ -45,6 +45,7 @@ def test_absent_capability():
 @pytest.fixture
 def opts(tmp_path):
     def make(suite: Path, **kw) -> RunOptions:
+        kw.setdefault("min_free_gb", float(SMALL_CELL_GB))
         return RunOptions(
             repo=REPO, results_dir=tmp_path / "results", suite=str(suite), work_dir=tmp_path / "work", **kw
         )
