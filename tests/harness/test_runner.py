@@ -297,6 +297,22 @@ def test_index_outage_while_resolving_is_an_install_error_not_unresolvable(
     assert sum("resolve failed without a verdict from the index; retrying" in line for line in lines) == 1
 
 
+def test_forced_rerun_within_the_lock_ttl_rederives_the_lock_offline(tmp_path, fake_wheel, make_suite, opts):
+    """--force reruns the tests; a lock checked online within the TTL is re-derived from uv's
+    cache (no index round trip), keeps its online check time, and past the TTL the index is asked."""
+    wheel, suite = fake_wheel(), make_suite(test_ok=PASSING)
+    first = run(wheel_cell(wheel), tmp_path, opts(suite))
+    assert first.outcome is Outcome.PASS
+    lines: list[str] = []
+    forced = run(wheel_cell(wheel), tmp_path, opts(suite, force=True), lines)
+    assert forced.outcome is Outcome.PASS and forced.resolved_at == first.resolved_at
+    assert any("lock re-derived offline: the index was asked 0 min ago" in line for line in lines), lines
+    lines.clear()
+    stale = run(wheel_cell(wheel), tmp_path, opts(suite, force=True, lock_ttl_s=0.0), lines)
+    assert stale.outcome is Outcome.PASS and stale.resolved_at > first.resolved_at
+    assert not any("re-derived offline" in line for line in lines), lines
+
+
 def test_disk_check_refuses_before_building(tmp_path, fake_wheel, make_suite, opts):
     options = opts(make_suite(test_ok=PASSING), min_free_gb=10**9)
     with pytest.raises(DiskFullError, match=r"GiB free .* needs about .* GiB"):

@@ -89,3 +89,54 @@ def test_deselected_tests_are_listed(pytester):
     data = json.loads(out.read_text())
     assert [(t["nodeid"], t["outcome"]) for t in data["tests"]] == [("test_suite.py::test_cpu", "passed")]
     assert data["deselected"] == ["test_suite.py::test_gpu"]
+
+
+CELL_PROCESS_SUITE = """
+import atexit, gc, pathlib, weakref
+
+FREED = []
+
+class Cycle:
+    def __init__(self):
+        self.me = self  # only the cycle collector can free it
+
+def test_makes_cyclic_garbage():
+    c = Cycle()
+    weakref.finalize(c, FREED.append, "freed")
+    del c
+
+def test_sees_the_previous_tests_garbage_collected():
+    assert FREED == ["freed"]  # collected between the tests, finalizer run
+
+def test_fails_at_the_end():
+    atexit.register(lambda: pathlib.Path("atexit-ran").write_text("yes"))
+    assert False, "the last test fails"
+"""
+
+
+def test_cell_process_collects_each_tests_garbage_and_keeps_the_exit_status(pytester):
+    """--kvcompat-cell-process (what the cell runner passes): a test's cyclic garbage is
+    collected before the next test starts; the JSON, pytest's summary and its exit status
+    (1: a test failed) are all out although the interpreter's teardown is skipped."""
+    pytester.makepyfile(test_suite=CELL_PROCESS_SUITE)
+    out = pytester.path / "out.json"
+    result = pytester.runpytest_subprocess(
+        "-p", "kvcompat.testkit.pytest_plugin", f"--kvcompat-json={out}", "--kvcompat-cell-process"
+    )
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*1 failed, 2 passed*"])
+    got = {t["nodeid"].split("::")[1]: t["outcome"] for t in json.loads(out.read_text())["tests"]}
+    assert got == {
+        "test_makes_cyclic_garbage": "passed",
+        "test_sees_the_previous_tests_garbage_collected": "passed",
+        "test_fails_at_the_end": "failed",
+    }
+    assert not (pytester.path / "atexit-ran").exists()  # os._exit: the interpreter's teardown never ran
+
+
+def test_cell_process_exit_status_of_a_green_run_is_zero(pytester):
+    pytester.makepyfile(test_suite="def test_ok():\n    pass\n")
+    result = pytester.runpytest_subprocess(
+        "-p", "kvcompat.testkit.pytest_plugin", f"--kvcompat-json={pytester.path / 'o.json'}", "--kvcompat-cell-process"
+    )
+    assert result.ret == 0 and json.loads((pytester.path / "o.json").read_text())["tests"][0]["outcome"] == "passed"

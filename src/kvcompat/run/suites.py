@@ -99,6 +99,7 @@ def run_pytest(ctx: CellContext, suite: str, run: SuiteRun) -> SuiteVerdict:
         PLUGIN,
         f"--kvcompat-json={report}",
         f"--kvcompat-suite={suite}",
+        "--kvcompat-cell-process",
         "-p",
         "no:cacheprovider",
         "-q",
