@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import enum
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class Step:
     version: str
     verdict: Verdict
     why: str  # one line: the test's outcome or the cell's status
+    seconds: float = 0.0  # the step's wall time (set by bisect)
 
 
 @dataclasses.dataclass
@@ -135,8 +137,14 @@ def verdict_for(result: CellResult, test: str) -> Step:
 
 
 def cell_budget(n: int) -> int:
-    """Most cells a bisect over ``n`` releases evaluates: both ends, then a binary search."""
-    return math.ceil(math.log2(n)) + 2
+    """Most cells a bisect over ``n`` releases evaluates when none is skipped.
+
+    The newer end is checked first (it must show the new verdict, or there is nothing to
+    find).  The older end is not checked up front: it is the search's first candidate, so
+    the boundary is one of ``n`` places (after the older end ... or before it, which means
+    the older end was not as the user said), found in ceil(log2 n) cells.
+    """
+    return math.ceil(math.log2(n)) + 1
 
 
 def bisect(
@@ -151,50 +159,59 @@ def bisect(
 
     With ``find_fix`` the verdicts swap: ``versions[0]`` must be bad, ``versions[-1]`` good, and the
     answer is the first good release.  Both ways the same skip rules and the same budget hold, and
-    ``resume`` gets (good, bad) as the options of the resumed command take them.
+    ``resume`` gets (good, bad) as the options of the resumed command take them.  Each step's
+    line gives its wall time.
     """
     if len(versions) < 2:
         raise BisectError("need at least two releases between --good and --bad")
     old, new = (Verdict.BAD, Verdict.GOOD) if find_fix else (Verdict.GOOD, Verdict.BAD)
+    old_flag, new_flag = ("--bad", "--good") if find_fix else ("--good", "--bad")
     n = len(versions)
     budget = cell_budget(n)
     steps: list[Step] = []
 
     def run(i: int, role: str) -> Step:
+        t0 = time.monotonic()
         step = evaluate(versions[i])
+        step.seconds = time.monotonic() - t0
         steps.append(step)
-        say(f"[{len(steps)}/≤{budget}] {versions[i]} ({role}): {step.verdict.value.upper()} - {step.why}")
+        say(
+            f"[{len(steps)}/≤{budget}] {versions[i]} ({role}): {step.verdict.value.upper()} - {step.why} "
+            f"({step.seconds:.0f}s)"
+        )
         return step
 
-    def endpoint(i: int, flag: str, wanted: Verdict, fix: str) -> Step:
-        step = run(i, f"{flag} endpoint")
-        if step.verdict is not wanted:
-            raise BisectError(f"{flag} {versions[i]} is not {wanted.value} ({step.verdict.value}: {step.why}); {fix}")
-        return step
+    step = run(n - 1, f"{new_flag} endpoint")
+    if step.verdict is not new:
+        fix = "pick a newer release where the test passes" if find_fix else "pick a release where the test fails"
+        raise BisectError(f"{new_flag} {versions[-1]} is not {new.value} ({step.verdict.value}: {step.why}); {fix}")
 
-    if find_fix:
-        endpoint(0, "--bad", Verdict.BAD, "pick a release where the test fails")
-        endpoint(n - 1, "--good", Verdict.GOOD, "pick a newer release where the test passes")
-    else:
-        endpoint(0, "--good", Verdict.GOOD, "pick an older release where the test passes")
-        endpoint(n - 1, "--bad", Verdict.BAD, "pick a release where the test fails")
-
-    lo, hi, skipped = 0, n - 1, set()
+    # lo = -1: the older end, taken on the user's word until a cell shows it.
+    lo, hi, skipped = -1, n - 1, set()
     while True:
         untested = [i for i in range(lo + 1, hi) if i not in skipped]
         if not untested:
             break
         mid = min(untested, key=lambda i: (abs(i - (lo + hi) / 2), i))
-        step = run(mid, f"{hi - lo - 1} left between {versions[lo]} and {versions[hi]}")
+        role = (
+            f"{old_flag} endpoint"
+            if mid == 0
+            else f"{hi - lo - 1} left between {versions[max(lo, 0)]} and {versions[hi]}"
+        )
+        step = run(mid, role)
         if step.verdict is old:
             lo = mid
         elif step.verdict is new:
             hi = mid
         else:
             skipped.add(mid)
-        if resume is not None:
+        if lo >= 0 and resume is not None:
             good, bad = (versions[hi], versions[lo]) if find_fix else (versions[lo], versions[hi])
             say("  resume with: " + resume(good, bad))
+    if lo < 0:  # the older end showed the new verdict, or could not be put to the test
+        first = next(s for s in steps if s.version == versions[0])
+        fix = "pick a release where the test fails" if find_fix else "pick an older release where the test passes"
+        raise BisectError(f"{old_flag} {versions[0]} is not {old.value} ({first.verdict.value}: {first.why}); {fix}")
     untested = [versions[i] for i in sorted(skipped) if lo < i < hi]
     return BisectResult(versions[lo], versions[hi], steps, untested, find_fix=find_fix)
 

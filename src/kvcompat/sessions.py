@@ -229,8 +229,11 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
             index_url=values.index_url,
             find_links=values.find_links,
         )
-        cells[version] = cell
         result = run_cell(cell, cell_venv(root, cell), opts, progress=lambda s: say("    " + s))
+        reused = shared_with_earlier_steps(opts.work_root, cell, list(cells.values()))
+        if reused:
+            say("    " + reused)
+        cells[version] = cell
         return bis.verdict_for(result, values.test)
 
     def resume(good: str, bad: str) -> str:
@@ -248,6 +251,37 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
         say(f"(no source diff: {exc})")
     say(bis.render_answer(res, changes))
     return res
+
+
+def shared_with_earlier_steps(work_root: Path, cell: Cell, earlier: list[Cell]) -> str | None:
+    """What a bisect step had from the steps before it: the pins its lock shares with theirs.
+
+    uv keeps every wheel it unpacked in its cache and hardlinks it into each venv, so a
+    shared pin (torch and its CUDA libraries above all) is neither downloaded nor stored again.
+    """
+    from kvcompat.index import parse_lock
+
+    def pins(c: Cell) -> dict[str, str]:
+        lock = work_root / c.id / "lock.txt"  # kvcompat.run.cellfiles.CellFiles.lock
+        return parse_lock(lock.read_text()) if lock.is_file() else {}
+
+    mine = pins(cell)
+    if not mine or not earlier:
+        return None
+    seen: dict[str, str] = {}
+    torch_from = None
+    for other in earlier:
+        theirs = pins(other)
+        if torch_from is None and "torch" in mine and theirs.get("torch") == mine["torch"]:
+            torch_from = other.vllm
+        seen.update({n: v for n, v in theirs.items() if mine.get(n) == v})
+    torch = ""
+    if "torch" in mine:
+        torch = f"; torch {mine['torch']} " + (f"as in {torch_from}'s cell" if torch_from else "is new to this bisect")
+    return (
+        f"reuse: {len(seen)} of {len(mine)} pins were installed by earlier steps{torch} "
+        "(hardlinked from uv's cache, not downloaded again)"
+    )
 
 
 def connector_tree(root: Path, cell: Cell, index_url: str) -> Path:

@@ -35,10 +35,26 @@ def test_finds_first_bad_within_budget(first_bad):
     res = bis.bisect(VERSIONS, evaluate, say=lines.append, resume=lambda g, b: f"--good {g} --bad {b}")
     assert res.first_bad == first_bad
     assert res.last_good == VERSIONS[VERSIONS.index(first_bad) - 1]
-    assert res.cells_evaluated == len(calls) <= math.ceil(math.log2(len(VERSIONS))) + 2
-    assert calls[:2] == [VERSIONS[0], VERSIONS[-1]]  # endpoints first
+    assert res.cells_evaluated == len(calls) <= math.ceil(math.log2(len(VERSIONS))) + 1
+    assert calls[0] == VERSIONS[-1]  # the bad end first: nothing to find unless it fails
     assert len(set(calls)) == len(calls)
-    assert any("resume with: --good" in line for line in lines) or res.cells_evaluated == 2
+    assert any("resume with: --good" in line for line in lines)
+    assert all(line.endswith("s)") for line in lines if line.startswith("["))  # each step's wall time
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 7, 8, 9, 16, 17, 20, 24, 33])
+def test_every_boundary_within_ceil_log2_n_plus_one_cells(n):
+    """The bound holds wherever the boundary lies, including a --good end that is in fact bad."""
+    versions = [f"0.{m}.0" for m in range(n)]
+    for first_bad in range(n):  # 0: the --good end is bad too
+        evaluate, calls = fake(versions[first_bad])
+        if first_bad == 0:
+            with pytest.raises(bis.BisectError, match=f"--good {versions[0]} is not good"):
+                bis.bisect(versions, evaluate, say=lambda s: None)
+        else:
+            res = bis.bisect(versions, evaluate, say=lambda s: None)
+            assert (res.last_good, res.first_bad) == (versions[first_bad - 1], versions[first_bad])
+        assert len(calls) <= bis.cell_budget(n) == math.ceil(math.log2(n)) + 1, (n, first_bad, calls)
 
 
 def test_skipped_releases_are_never_counted():
@@ -140,10 +156,9 @@ def test_find_fix_finds_first_good_within_the_same_budget(first_good):
     res = bis.bisect(VERSIONS, evaluate, say=lines.append, resume=lambda g, b: f"--bad {b} --good {g}", find_fix=True)
     assert (res.first_good, res.last_bad) == (first_good, VERSIONS[VERSIONS.index(first_good) - 1])
     assert res.last_good is None and res.first_bad is None  # a fix answer never poses as a break answer
-    assert res.cells_evaluated == len(calls) <= bis.cell_budget(len(VERSIONS)) == math.ceil(math.log2(20)) + 2
-    assert calls[:2] == [VERSIONS[0], VERSIONS[-1]] and len(set(calls)) == len(calls)
-    assert lines[0].startswith(f"[1/≤{bis.cell_budget(20)}] 0.14.0 (--bad endpoint): BAD")
-    assert "(--good endpoint): GOOD" in lines[1]
+    assert res.cells_evaluated == len(calls) <= bis.cell_budget(len(VERSIONS)) == math.ceil(math.log2(20)) + 1
+    assert calls[0] == VERSIONS[-1] and len(set(calls)) == len(calls)
+    assert lines[0].startswith(f"[1/≤{bis.cell_budget(20)}] 0.33.0 (--good endpoint): GOOD")
     # resume hands the narrowed ends back as --good/--bad: the newer one is still --good
     resumes = [line for line in lines if "resume with" in line]
     assert not resumes or resumes[-1].endswith(f"--bad {res.last_bad} --good {res.first_good}")
@@ -168,9 +183,9 @@ def test_find_fix_endpoints_must_be_bad_then_good():
     evaluate, _ = fake_fix("0.99.0")  # never fixed
     with pytest.raises(bis.BisectError, match="--good 0.33.0 is not good .*pick a newer release"):
         bis.bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
-    # a break-shaped history is not a fix: the first endpoint (the old one) must fail
+    # a break-shaped history is not a fix: the newer end, checked first, must pass
     evaluate, _ = fake("0.20.0")
-    with pytest.raises(bis.BisectError, match="--bad 0.14.0 is not bad"):
+    with pytest.raises(bis.BisectError, match="--good 0.33.0 is not good"):
         bis.bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
 
 
