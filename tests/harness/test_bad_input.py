@@ -116,7 +116,7 @@ def test_bisect_test_id_that_matches_nothing(project):
         "wheels/house",
     )
     err = one_line_error(proc)
-    assert "--test 'test_no_such_thing' matches no test in vllm-0.0.1" in err
+    assert "--test 'test_no_such_thing' matches no test in vllm-0.0.2" in err  # the bad end runs first
     assert "use a node id or keyword such as: test_first_wins" in err
 
 
