@@ -230,7 +230,7 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
             find_links=values.find_links,
         )
         result = run_cell(cell, cell_venv(root, cell), opts, progress=lambda s: say("    " + s))
-        reused = shared_with_earlier_steps(opts.work_root, cell, list(cells.values()))
+        reused = shared_with_earlier_steps(opts, cell, list(cells.values()))
         if reused:
             say("    " + reused)
         cells[version] = cell
@@ -253,16 +253,17 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
     return res
 
 
-def shared_with_earlier_steps(work_root: Path, cell: Cell, earlier: list[Cell]) -> str | None:
+def shared_with_earlier_steps(opts: RunOptions, cell: Cell, earlier: list[Cell]) -> str | None:
     """What a bisect step had from the steps before it: the pins its lock shares with theirs.
 
     uv keeps every wheel it unpacked in its cache and hardlinks it into each venv, so a
     shared pin (torch and its CUDA libraries above all) is neither downloaded nor stored again.
     """
     from kvcompat.index import parse_lock
+    from kvcompat.run.cellfiles import CellFiles
 
     def pins(c: Cell) -> dict[str, str]:
-        lock = work_root / c.id / "lock.txt"  # kvcompat.run.cellfiles.CellFiles.lock
+        lock = CellFiles(opts.work_root / c.id, opts.results_dir, c.id).lock
         return parse_lock(lock.read_text()) if lock.is_file() else {}
 
     mine = pins(cell)
