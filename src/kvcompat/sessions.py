@@ -90,7 +90,9 @@ def prune_venv(root: Path, cell: Cell, say: Callable[[str], None]) -> int:
     except CellBusyError as exc:
         say(f"kept {venv.name}: {exc}")
         return 0
-    say(f"pruned {venv.relative_to(root)}: {own / 2**30:.2f} GiB freed (its wheels stay in uv's cache)")
+    say(
+        f"pruned {venv.relative_to(root)}: {own / 2**30:.2f} GiB freed (its wheels stay in uv's cache, its bytecode beside its lock)"
+    )
     return own
 
 

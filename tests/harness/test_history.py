@@ -67,7 +67,9 @@ def test_prune_frees_the_venvs_own_bytes_and_keeps_the_cache(tmp_path):
     said = []
     assert sessions.prune_venv(tmp_path, cell, said.append) == 300
     assert not venv.exists() and (cache / "torch.so").stat().st_size == 5000
-    assert said == [f"pruned .kvcompat/venvs/{cell.id}: 0.00 GiB freed (its wheels stay in uv's cache)"]
+    assert said == [
+        f"pruned .kvcompat/venvs/{cell.id}: 0.00 GiB freed (its wheels stay in uv's cache, its bytecode beside its lock)"
+    ]
     assert sessions.prune_venv(tmp_path, cell, said.append) == 0  # nothing left to prune
 
 

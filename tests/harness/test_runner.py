@@ -73,8 +73,9 @@ def test_passing_suite_passes_and_records_everything(tmp_path, fake_wheel, make_
     assert result.python and result.python.startswith("3.11")
     # A green suite imported vLLM itself: no separate import probe.
     assert set(result.phases) == {"resolve", "install", "test"}
-    # The cell caches bytecode in its venv even when the caller's environment forbids it.
-    assert list((tmp_path / "venv").glob("lib/python*/site-packages/vllm/**/__pycache__/*.pyc"))
+    # The cell caches bytecode even when the caller's environment forbids it, outside its venv.
+    assert list((tmp_path / "work" / result.id / "bytecode").glob("**/site-packages/vllm/**/*.pyc"))
+    assert not list((tmp_path / "venv").glob("lib/python*/site-packages/vllm/**/__pycache__/*.pyc"))
     on_disk = json.loads((tmp_path / "results" / f"{result.id}.json").read_text())
     assert on_disk["outcome"] == "pass" and on_disk["counts"]["passed"] == 2
     assert any("install done in" in line for line in lines)  # progress is reported per phase
@@ -297,20 +298,64 @@ def test_index_outage_while_resolving_is_an_install_error_not_unresolvable(
     assert sum("resolve failed without a verdict from the index; retrying" in line for line in lines) == 1
 
 
-def test_forced_rerun_within_the_lock_ttl_rederives_the_lock_offline(tmp_path, fake_wheel, make_suite, opts):
-    """--force reruns the tests; a lock checked online within the TTL is re-derived from uv's
-    cache (no index round trip), keeps its online check time, and past the TTL the index is asked."""
+def test_forced_rerun_within_the_lock_ttl_does_not_ask_the_index(tmp_path, fake_wheel, make_suite, opts):
+    """--force reruns the tests; a lock checked online within the TTL is taken as it was (no index
+    round trip) and keeps its online check time; past the TTL the index is asked."""
     wheel, suite = fake_wheel(), make_suite(test_ok=PASSING)
     first = run(wheel_cell(wheel), tmp_path, opts(suite))
     assert first.outcome is Outcome.PASS
     lines: list[str] = []
     forced = run(wheel_cell(wheel), tmp_path, opts(suite, force=True), lines)
     assert forced.outcome is Outcome.PASS and forced.resolved_at == first.resolved_at
-    assert any("lock re-derived offline: the index was asked 0 min ago" in line for line in lines), lines
+    assert any("lock as the index gave it 0 min ago (within the lock TTL): not asked again" in line for line in lines)
     lines.clear()
     stale = run(wheel_cell(wheel), tmp_path, opts(suite, force=True, lock_ttl_s=0.0), lines)
     assert stale.outcome is Outcome.PASS and stale.resolved_at > first.resolved_at
-    assert not any("re-derived offline" in line for line in lines), lines
+    assert not any("not asked again" in line for line in lines), lines
+
+
+def test_unchanged_within_the_ttl_runs_no_uv_unless_a_resolve_input_changed(
+    tmp_path, fake_wheel, make_suite, opts, monkeypatch
+):
+    """An unchanged cell is answered without running uv: its lock is read back, since what it was
+    resolved from is the same.  An edited input (here a constraints file) makes uv derive the lock."""
+    from kvcompat import index
+    from kvcompat.run import resolve
+
+    wheel, suite = fake_wheel(), make_suite(test_ok=PASSING)
+    assert run(wheel_cell(wheel), tmp_path, opts(suite)).outcome is Outcome.PASS
+    real, asked = index.resolve, []
+    monkeypatch.setattr(index, "resolve", lambda *a, **kw: asked.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(resolve, "_python_uv_finds", lambda request: pytest.fail("uv python find was run"))
+    lines: list[str] = []
+    again = run(wheel_cell(wheel), tmp_path, opts(suite), lines)
+    assert again.outcome is Outcome.PASS and any("unchanged" in line for line in lines)
+    assert asked == []
+
+    constraints = tmp_path / "vllm-0.0.txt"
+    constraints.write_text("pytest>=8\n")
+    monkeypatch.setattr(resolve, "constraints_for", lambda version, folder: [constraints])
+    lines.clear()
+    edited = run(wheel_cell(wheel), tmp_path, opts(suite), lines)
+    assert [kw["offline"] for kw in asked] == [True] and asked[0]["constraints"] == [constraints]
+    assert edited.outcome is Outcome.PASS and any("unchanged" in line for line in lines)  # same lock after all
+
+
+def test_a_pruned_cell_reruns_on_the_bytecode_it_compiled(tmp_path, fake_wheel, make_suite, opts):
+    """--prune deletes the venv but not the bytecode: a rerun reinstalled from uv's cache imports
+    the .pyc files of the first run instead of compiling them again."""
+    from kvcompat.sessions import cell_venv, prune_venv
+
+    cell, suite = wheel_cell(fake_wheel()), make_suite(test_ok=PASSING)
+    venv = cell_venv(tmp_path, cell)
+    first = run_cell(cell, venv, opts(suite), progress=lambda s: None)
+    assert first.outcome is Outcome.PASS
+    compiled = {p: p.stat().st_mtime_ns for p in (tmp_path / "work" / first.id / "bytecode").rglob("*.pyc")}
+    assert any("/site-packages/vllm/" in str(p) for p in compiled)
+    assert prune_venv(tmp_path, cell, lambda s: None) >= 0 and not venv.exists()
+    again = run_cell(cell, venv, opts(suite, force=True), progress=lambda s: None)
+    assert again.outcome is Outcome.PASS and again.finished > first.finished
+    assert {p: p.stat().st_mtime_ns for p in compiled} == compiled  # read, not rewritten
 
 
 def test_disk_check_refuses_before_building(tmp_path, fake_wheel, make_suite, opts):

@@ -175,7 +175,9 @@ def _context(cell: Cell, mo: MutationOptions, progress: Callable[[str], None], t
         find_links=mo.find_links,
         pytest_args=mo.pytest_args,
     )
-    return CellContext(cell, venv_for(mo.home, cell), opts, progress)
+    # In-tree bytecode: the guard deletes the mutated file's .pyc on every swap, and a prefix tree
+    # would keep serving the other version's.
+    return CellContext(cell, venv_for(mo.home, cell), opts, progress, bytecode_outside_venv=False)
 
 
 def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> MutationRun:

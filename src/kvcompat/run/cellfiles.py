@@ -25,6 +25,17 @@ class CellFiles:
         return self.work / "lock.txt"
 
     @property
+    def lock_inputs(self) -> Path:
+        """A hash of what ``lock`` was resolved from: the same inputs within the TTL give the same lock."""
+        return self.work / "lock.inputs"
+
+    @property
+    def bytecode(self) -> Path:
+        """Where the cell's Python processes cache bytecode (PYTHONPYCACHEPREFIX): outside the venv,
+        so ``--prune`` keeps it and a rerun from uv's hardlinks does not recompile vLLM and torch."""
+        return self.work / "bytecode"
+
+    @property
     def running(self) -> Path:
         """Who runs the cell's current command: lets a run after a SIGKILL reap what was left."""
         return self.work / "running.json"

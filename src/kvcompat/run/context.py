@@ -29,6 +29,9 @@ class CellContext:
     progress: Callable[[str], None] = print
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per finished phase
     started: str = dataclasses.field(default_factory=now)
+    # Bytecode in files.bytecode, not the venv's __pycache__ (see CellFiles.bytecode).  False where
+    # in-tree .pyc files are managed by hand (the mutation guard deletes them on every swap).
+    bytecode_outside_venv: bool = True
 
     @property
     def files(self) -> CellFiles:
@@ -53,8 +56,12 @@ class CellContext:
             say=self.say,
             phase=phase,
             cwd=cwd or self.opts.repo,
-            env=env,
+            env={**self.bytecode_env(), **(env or {})},
         )
+
+    def bytecode_env(self) -> dict[str, str]:
+        # An empty value is no prefix at all (so a caller's own prefix cannot hide the in-tree files either).
+        return {"PYTHONPYCACHEPREFIX": str(self.files.bytecode) if self.bytecode_outside_venv else ""}
 
     @contextlib.contextmanager
     def timed(self, phase: str):

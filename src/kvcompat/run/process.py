@@ -44,7 +44,7 @@ def run_command(
     full_env.pop("VIRTUAL_ENV", None)
     # uv installs without .pyc files; with PYTHONDONTWRITEBYTECODE set (it is on this
     # project's machines) every run would recompile ~5000 modules of vLLM and torch from
-    # source: ~12 s per process.  Cell venvs are ours, so let Python cache bytecode there.
+    # source: ~12 s per process.  Cells are ours, so let Python cache bytecode (where: CellContext.bytecode_env).
     full_env.pop("PYTHONDONTWRITEBYTECODE", None)
     proc = subprocess.Popen(
         [str(c) for c in cmd],

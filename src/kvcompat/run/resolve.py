@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import json
+import os
 import re
 import subprocess
 import time
@@ -52,17 +54,24 @@ def in_cell_sources(repo: Path) -> list[Path]:
     found = sorted(package.rglob("*.py")) if package.is_dir() else []
     shared: set[Path] = set()
     for path in found:
-        for node in ast.walk(ast.parse(path.read_bytes())):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
-            )
-            for name in names:
-                if name.startswith("kvcompat.") and not name.startswith(IN_CELL_PACKAGE):
-                    shared.add(src / Path(*name.split(".")).with_suffix(".py"))
+        st = path.stat()
+        for name in _kvcompat_imports(path, st.st_mtime_ns, st.st_size):
+            shared.add(src / Path(*name.split(".")).with_suffix(".py"))
     init = src / "kvcompat" / "__init__.py"
     return found + sorted(p for p in shared | {init} if p.is_file())
+
+
+@functools.lru_cache(maxsize=512)
+def _kvcompat_imports(path: Path, mtime_ns: int, size: int) -> tuple[str, ...]:  # noqa: ARG001 (cache key)
+    """The shared kvcompat modules one in-cell file imports.  Parsing is most of an unchanged cell's
+    cost, so it is kept per file version (path, mtime, size) for the life of the process."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    return tuple(n for n in names if n.startswith("kvcompat.") and not n.startswith(IN_CELL_PACKAGE))
 
 
 def suite_hash(repo: Path, suite: str, extra: tuple[str, ...] = ()) -> str:
@@ -105,10 +114,14 @@ def interpreter(ctx: CellContext) -> str:
             key, _, value = line.partition("=")
             if key.strip() in ("version_info", "version"):  # uv writes the first, `python -m venv` the second
                 return value.strip()
-    proc = subprocess.run(
-        [index.uv_bin(), "python", "find", ctx.cell.python, "--show-version"], capture_output=True, text=True
-    )
-    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else ctx.cell.python
+    return _python_uv_finds(ctx.cell.python)
+
+
+@functools.lru_cache(maxsize=16)
+def _python_uv_finds(request: str) -> str:
+    """One ``uv python find`` per Python request and process (a pruned matrix asks it once per cell)."""
+    proc = subprocess.run([index.uv_bin(), "python", "find", request, "--show-version"], capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else request
 
 
 def companion_overrides(ctx: CellContext, *, offline: bool) -> list[str]:
@@ -158,6 +171,29 @@ def resolve_lock(ctx: CellContext, *, offline: bool) -> index.Resolution:
     )
 
 
+def resolve_inputs(ctx: CellContext) -> str:
+    """Hash of everything ``resolve_lock`` is given, besides the index: the same inputs, asked within
+    the lock TTL, give the same lock.  uv itself counts (a new uv may resolve differently), and a
+    candidate wheel by its path, size and mtime (its bytes are in the cache key)."""
+    cell, opts = ctx.cell, ctx.opts
+    uv = index.uv_bin()
+    st = os.stat(uv)
+    wheel = [str(cell.wheel), cell.wheel.stat().st_size, cell.wheel.stat().st_mtime_ns] if cell.wheel else None
+    constraints = [p.read_text() for p in constraints_for(cell.vllm, opts.repo / "constraints")]
+    parts = [
+        cell.requirements(),
+        cell.override_lines(),
+        constraints,
+        cell.python,
+        cell.exclude_newer,
+        wheel,
+        list(opts.find_links),
+        opts.index_url,
+        [uv, st.st_size, st.st_mtime_ns],
+    ]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
 def checked_recently(ctx: CellContext, cached: CellResult | None) -> bool:
     """Whether the cached result's lock was checked against the index within the lock TTL."""
     if cached is None or cached.cache_key is None or cached.resolved_at is None:
@@ -165,13 +201,38 @@ def checked_recently(ctx: CellContext, cached: CellResult | None) -> bool:
     return time.time() - cached.resolved_at <= ctx.opts.lock_ttl_s
 
 
-def unchanged(ctx: CellContext, cached: CellResult | None) -> bool:
-    """Fast path: a recent online lock, re-derived offline, still gives the cached key."""
-    if ctx.opts.force or not checked_recently(ctx, cached):
-        return False
+def recent_lock(ctx: CellContext, cached: CellResult | None) -> str | None:
+    """The lock as the index gave it within the TTL, without asking the index again: read back when
+    the resolve's inputs are unchanged (no uv run at all), else re-derived offline from uv's cache.
+    None when the last online check is older than the TTL, or the offline resolve cannot answer."""
+    if not checked_recently(ctx, cached):
+        return None
+    files, inputs = ctx.files, resolve_inputs(ctx)
+    stored, stored_inputs = _read(files.lock), _read(files.lock_inputs)
+    if stored is not None and stored_inputs == inputs:
+        return stored
     res = resolve_lock(ctx, offline=True)
+    if not res.ok:
+        return None
+    if res.lock == stored:  # the stored lock is what these inputs give: the next run can read it back
+        write_atomic(files.lock_inputs, inputs)
+    return res.lock
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:  # never written (a run before lock.inputs existed) or removed: the lock is derived
+        return None
+
+
+def unchanged(ctx: CellContext, cached: CellResult | None) -> bool:
+    """Fast path: the recent lock still gives the cached key."""
+    if ctx.opts.force:
+        return False
+    lock = recent_lock(ctx, cached)
     suite = cell_suite_hash(ctx.cell, ctx.opts)
-    return res.ok and cache_key(res.lock, suite, ctx.cell, interpreter(ctx), ctx.opts) == cached.cache_key
+    return lock is not None and cache_key(lock, suite, ctx.cell, interpreter(ctx), ctx.opts) == cached.cache_key
 
 
 def phase(ctx: CellContext, cached: CellResult | None) -> Resolved | CellResult:
@@ -179,14 +240,14 @@ def phase(ctx: CellContext, cached: CellResult | None) -> Resolved | CellResult:
     when the index is unreachable, or when the fresh lock gives the cached result's key."""
     with ctx.timed("resolve"):
         res = None
-        if checked_recently(ctx, cached):
-            # The index was asked within the lock's TTL (the same freshness the unchanged-cell
-            # path trusts): re-derive the lock from uv's cache (~0.3 s, not ~4 s online).
-            offline = resolve_lock(ctx, offline=True)
-            if offline.ok:
-                res, resolved_at = offline, cached.resolved_at
-                age = (time.time() - cached.resolved_at) / 60
-                ctx.say(f"lock re-derived offline: the index was asked {age:.0f} min ago")
+        # The index was asked within the lock's TTL (the same freshness the unchanged-cell
+        # path trusts): take that lock (~0.0-0.3 s, not ~4 s online).
+        recent = recent_lock(ctx, cached)
+        if recent is not None:
+            res = index.Resolution(ok=True, lock=recent, pins=index.parse_lock(recent), error="", seconds=0.0)
+            resolved_at = cached.resolved_at
+            age = (time.time() - cached.resolved_at) / 60
+            ctx.say(f"lock as the index gave it {age:.0f} min ago (within the lock TTL): not asked again")
         if res is None:
             res = resolve_lock(ctx, offline=False)
             if not res.ok and not res.unsatisfiable:  # the index could not be asked: one retry, as for installs
@@ -206,6 +267,7 @@ def phase(ctx: CellContext, cached: CellResult | None) -> Resolved | CellResult:
     if not res.ok:  # a network failure is not a verdict on the release
         return record.finish(ctx, Outcome.INSTALL_ERROR, "could not resolve: " + root_cause(res.error))
     write_atomic(ctx.files.lock, res.lock)
+    write_atomic(ctx.files.lock_inputs, resolve_inputs(ctx))
     key = cache_key(res.lock, cell_suite_hash(ctx.cell, ctx.opts), ctx.cell, interpreter(ctx), ctx.opts)
     if cached is not None and cached.cache_key == key and not ctx.opts.force:
         cached.resolved_at = resolved_at  # the online check is fresh again
