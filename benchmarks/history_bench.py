@@ -1,89 +1,227 @@
-"""Benchmark: the history matrix warm at -j 2, unchanged, and the naive loop, side by side in one run.
+"""Benchmark: the history matrix and a bisect over it, cold, warm and unchanged, against the naive loop, in one run.
 
-    python benchmarks/history_bench.py [--naive-sample 0.33.0] [--skip-naive]
+    python benchmarks/history_bench.py [--naive-sample 0.33.0] [--skip-naive] [--workdir DIR]
 
-In this project, in one run:
-  warm      : `KVCOMPAT_MATRIX=history nox -s matrix -j 2 -- --force --prune` (every cell reruns its
-              suite; uv's cache holds the wheels, so a pruned venv is reinstalled by hardlinks)
-  unchanged : the same without --force (every cell answered from its result)
-  naive     : fresh `python -m venv` + `pip install vllm==X` (no cache) + pytest, for the sampled
-              release(s); the naive loop over the whole history is their mean times the cell count
-Prints the ratios naive / warm (goal >= 8x) and the unchanged wall time (goal < 3 s).
-Needs uv's cache to hold the history's wheels (a cold history run first) and ~20 GB free
-for the naive venv (skipped, and said so, with less).
+In one run, on fresh copies of the project (its own results/ and venvs) and fresh uv caches:
+  naive        : `python -m venv` + `pip install vllm==X pytest` (no cache) + pytest, for the sampled
+                 release(s); the naive loop over the history is their mean times the cell count
+  bisect cold  : `nox -s bisect -- --find-fix --bad 0.13.0 --good 0.33.0 --test <reset test> --env today`
+                 on an empty uv cache; cells run and each step's wall time, against ceil(log2 N)+1
+  bisect warm  : the same with --force (venvs and cache kept, every step's suite rerun)
+  history cold : `KVCOMPAT_MATRIX=history nox -s matrix -j 2 -- --prune` on an empty uv cache: bytes
+                 received against the unique-wheel floor, peak disk against the unique unpacked floor
+  history warm : the same with --force (every cell reruns its suite; venvs reinstalled by hardlinks)
+  unchanged    : the same without --force (every cell answered from its result)
+
+Byte counts come from /proc/net/dev for the whole machine and disk from statvfs of the work
+folder's filesystem: run it when nothing else downloads or writes.  Needs about 80 GiB free;
+every cache and venv it made is deleted at the end (results and logs stay in the work folder).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from matrix_bench import naive  # noqa: E402
+from matrix_bench import gib, naive, rx_bytes, wheel_sizes  # noqa: E402
 
-# A naive cell (pip, no cache) filled 13 GiB of a 16 GiB-free disk before it was stopped.
-NAIVE_GB = 20
+from kvcompat.index import parse_lock  # noqa: E402  (matrix_bench put src/ on the path)
+
+NEEDS_GIB = 80
+BISECT = ["--find-fix", "--bad", "0.13.0", "--good", "0.33.0", "--test", "test_reset_cache_goes_to_both_children"]
 
 
-def nox_history(*extra: str, log: Path) -> float:
-    env = {**os.environ, "KVCOMPAT_MATRIX": "history"}
+class DiskPeak:
+    """The most bytes used on a filesystem while it runs, above what was used when it started."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.base, self.peak = path, shutil.disk_usage(path).used, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            self.peak = max(self.peak, shutil.disk_usage(self.path).used - self.base)
+
+    def __enter__(self) -> DiskPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, shutil.disk_usage(self.path).used - self.base)
+
+
+def copy_project(dest: Path) -> Path:
+    ignore = shutil.ignore_patterns(".nox", ".kvcompat", "results", "reports", ".git", "__pycache__")
+    shutil.copytree(REPO, dest, ignore=ignore)
+    return dest
+
+
+def nox(project: Path, args: list[str], env: dict, log: Path) -> tuple[float, str]:
     t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "nox", *args], cwd=project, env={**os.environ, **env}, capture_output=True, text=True
+    )
     with log.open("a") as fh:
-        subprocess.run([sys.executable, "-m", "nox", "-s", "matrix", *extra], cwd=REPO, env=env, stdout=fh, stderr=fh)
-    return time.monotonic() - t0
+        fh.write(f"\n$ nox {' '.join(args)}  (rc {proc.returncode})\n{proc.stdout}{proc.stderr}")
+    return time.monotonic() - t0, proc.stdout + proc.stderr
 
 
-def history_ids() -> list[str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "nox", "-l", "--json"],
-        cwd=REPO,
-        env={**os.environ, "KVCOMPAT_MATRIX": "history"},
-        capture_output=True,
-        text=True,
-    ).stdout
-    return [s["session"] for s in json.loads(out) if s["session"].startswith("matrix(")]
+def unique_unpacked(cache: Path, locks: list[Path]) -> tuple[int, int]:
+    """(count, bytes) of the distributions the locks name, each once, unpacked: the sizes in the
+    RECORD of its unpacked copy in uv's cache (the floor of a cache + hardlinked venvs)."""
+    wanted: set[tuple[str, str]] = set()
+    for lock in locks:
+        wanted.update(parse_lock(lock.read_text()).items())
+    sizes: dict[tuple[str, str], int] = {}
+    for record in cache.glob("archive-v0/*/*.dist-info/RECORD"):
+        name, _, version = record.parent.name.removesuffix(".dist-info").rpartition("-")
+        key = (re.sub(r"[-_.]+", "-", name).lower(), version)
+        if key not in wanted or key in sizes:
+            continue
+        total = 0
+        for row in record.read_text().splitlines():
+            fields = row.rsplit(",", 2)
+            if len(fields) == 3 and fields[2].isdigit():
+                total += int(fields[2])
+        sizes[key] = total
+    return len(sizes), sum(sizes.values())
+
+
+def bisect_steps(output: str) -> list[str]:
+    return [ln.strip() for ln in output.splitlines() if re.search(r"\[\d+/≤\d+\]", ln)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--naive-sample", nargs="+", default=["0.33.0"])
     ap.add_argument("--skip-naive", action="store_true")
+    ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="kvcompat-history-bench-"))
+    work = Path(tempfile.mkdtemp(prefix="kvcompat-history-bench-", dir=args.workdir))
+    free = shutil.disk_usage(work).free / 2**30
+    if free < NEEDS_GIB:
+        print(
+            f"error: {free:.0f} GiB free under {work}; this benchmark needs about {NEEDS_GIB} (free some, or --workdir)"
+        )
+        return 2
     log = work / "bench.log"
-    cells = len(history_ids())
-    print(f"history matrix: {cells} cells; logs in {log}", flush=True)
+    print(f"logs in {log}", flush=True)
+    out: dict[str, object] = {}
+    # The cells' own disk check (15 GiB by default) would stop the cold history near its peak on a
+    # 2x-sized disk; the benchmark measures that peak instead.
+    base_env = {"KVCOMPAT_MIN_FREE_GB": "5", "PYTHONDONTWRITEBYTECODE": "1"}
 
-    warm = nox_history("-j", "2", "--", "--force", "--prune", log=log)
-    print(f"warm -j 2 (--force --prune): {warm:.0f}s, {warm / cells:.1f}s a cell", flush=True)
-    unchanged = nox_history("--", "--prune", log=log)
-    print(f"unchanged: {unchanged:.1f}s for {cells} cells ({unchanged / cells:.2f}s a cell; goal < 3 s)", flush=True)
+    if not args.skip_naive:
+        rx = rx_bytes()
+        per = naive(args.naive_sample, work, log)
+        out["naive_per_cell"] = sum(per.values()) / len(per)
+        print(f"naive: {out['naive_per_cell']:.0f}s a cell, {gib(rx_bytes() - rx)} received", flush=True)
+
+    # -- bisect, cold then warm, on a cache of its own
+    project = copy_project(work / "bisect-project")
+    env = {**base_env, "UV_CACHE_DIR": str(work / "uv-bisect")}
+    bisect_runs = {}
+    for mode, extra in (("cold", []), ("warm", ["--force"])):
+        rx = rx_bytes()
+        secs, text = nox(project, ["-s", "bisect", "--", *BISECT, "--env", "today", *extra], env, log)
+        steps = bisect_steps(text)
+        answer = next((ln.strip() for ln in text.splitlines() if "first good:" in ln), "?")
+        bisect_runs[mode] = {"seconds": secs, "steps": steps, "received": rx_bytes() - rx, "answer": answer}
+        print(f"bisect {mode}: {len(steps)} cells in {secs:.0f}s, {gib(rx_bytes() - rx)} received", flush=True)
+        for ln in steps:
+            print("   ", ln)
+    versions = re.search(r"bisecting \(\w+\) (\d+) vllm releases", text)
+    n = int(versions.group(1)) if versions else 0
+    out["bisect"] = {"releases": n, "bound": math.ceil(math.log2(n)) + 1 if n > 1 else 1, **bisect_runs}
+    shutil.rmtree(work / "uv-bisect")
+    shutil.rmtree(project / ".kvcompat" / "venvs", ignore_errors=True)
+
+    # -- the history matrix: cold, warm, unchanged, on another empty cache
+    project = copy_project(work / "history-project")
+    cache = work / "uv-history"
+    env = {**base_env, "UV_CACHE_DIR": str(cache), "KVCOMPAT_MATRIX": "history"}
+    cells = len(
+        [s for s in json.loads(nox(project, ["-l", "--json"], env, log)[1]) if s["session"].startswith("matrix(")]
+    )
+    runs = {}
+    for mode, extra in (
+        ("cold", ["-j", "2", "--", "--prune"]),
+        ("warm", ["-j", "2", "--", "--force", "--prune"]),
+        ("unchanged", ["--", "--prune"]),
+    ):
+        rx = rx_bytes()
+        with DiskPeak(work) as disk:
+            secs, _ = nox(project, ["-s", "matrix", *extra], env, log)
+        runs[mode] = {"seconds": secs, "received": rx_bytes() - rx, "peak_disk": disk.peak}
+        print(
+            f"history {mode}: {secs:.1f}s for {cells} cells, {gib(runs[mode]['received'])} received, peak disk +{gib(disk.peak)}",
+            flush=True,
+        )
+    locks = sorted((project / ".kvcompat" / "cells").glob("*/lock.txt"))
+    wheels = wheel_sizes(locks)
+    n_unpacked, unpacked = unique_unpacked(cache, locks)
+    bytecode = sum(p.stat().st_size for p in (project / ".kvcompat" / "cells").glob("*/bytecode/**/*") if p.is_file())
     outcomes: dict[str, int] = {}
-    for p in (REPO / "results").glob("*.json"):
+    for p in (project / "results").glob("*.json"):
         o = json.loads(p.read_text()).get("outcome", "?")
         outcomes[o] = outcomes.get(o, 0) + 1
-    print(f"outcomes in results/: {outcomes}")
+    out["history"] = {
+        "cells": cells,
+        **runs,
+        "wheel_floor": sum(wheels.values()),
+        "wheels": len(wheels),
+        "unpacked_floor": unpacked,
+        "unpacked": n_unpacked,
+        "bytecode": bytecode,
+        "outcomes": outcomes,
+    }
+    shutil.rmtree(cache)
+    (work / "summary.json").write_text(json.dumps(out, indent=2))
 
-    free = shutil.disk_usage(work).free / 2**30
-    if not args.skip_naive and free < NAIVE_GB:
-        print(f"naive: skipped, {free:.0f} GiB free and a naive venv needs about {NAIVE_GB} (pip, no cache)")
-    elif not args.skip_naive:
-        per = naive(args.naive_sample, work, log)
-        mean = sum(per.values()) / len(per)
-        loop = mean * cells
+    h = out["history"]
+    print(f"\n== one run, {time.strftime('%Y-%m-%d %H:%M')} ({os.cpu_count()} cores) ==")
+    print(f"history: {cells} cells; outcomes {outcomes}")
+    if "naive_per_cell" in out:
+        loop = out["naive_per_cell"] * cells
         print(
-            f"naive loop estimate: {mean:.0f}s a cell (mean of {', '.join(per)}) x {cells} cells = {loop:.0f}s; "
-            f"naive / warm = {loop / warm:.1f}x   (goal >= 8x)"
+            f"naive loop: {out['naive_per_cell']:.0f}s a cell ({', '.join(args.naive_sample)}) x {cells} = {loop:.0f}s"
         )
+        print(f"naive / history warm -j 2 = {loop / runs['warm']['seconds']:.1f}x   (goal >= 8x)")
+        print(f"naive / history cold -j 2 = {loop / runs['cold']['seconds']:.1f}x")
+    print(f"history warm -j 2: {runs['warm']['seconds']:.0f}s ({runs['warm']['seconds'] / cells:.1f}s a cell)")
+    print(f"history unchanged: {runs['unchanged']['seconds']:.2f}s   (goal < 3 s)")
+    print(
+        f"history cold received {gib(runs['cold']['received'])} = {runs['cold']['received'] / h['wheel_floor']:.3f}x "
+        f"the floor ({h['wheels']} unique wheels, {gib(h['wheel_floor'])} on the index)   (goal <= 1.1x)"
+    )
+    print(
+        f"history cold peak disk +{gib(runs['cold']['peak_disk'])} = {runs['cold']['peak_disk'] / unpacked:.3f}x the floor "
+        f"({n_unpacked} unique distributions unpacked, {gib(unpacked)})   (goal <= 1.15x); bytecode kept: {gib(bytecode)}"
+    )
+    b = out["bisect"]
+    for mode in ("cold", "warm"):
+        r = b[mode]
+        print(
+            f"bisect {mode}: {len(r['steps'])} cells for {b['releases']} releases (bound ceil(log2 N)+1 = {b['bound']}) "
+            f"in {r['seconds']:.0f}s; {r['answer']}"
+        )
+    print(f"summary: {work / 'summary.json'}")
     return 0
 
 
