@@ -135,6 +135,16 @@ OPTIONS: tuple[Option, ...] = (
         metavar="GIB",
     ),
     Option(
+        "--disk-budget",
+        "keep uv's cache under this many GiB: before a cell installs, evict the largest unpacked wheels "
+        "that neither it nor a running cell pins (uv downloads them again if a later cell needs them)",
+        ("matrix", "bisect"),
+        positive("GiB", "40"),
+        default=None,
+        env="KVCOMPAT_DISK_BUDGET_GB",
+        metavar="GIB",
+    ),
+    Option(
         "--prune",
         "delete each cell's venv once its result is written (uv's cache, the lock and the result stay: "
         "a rerun reinstalls from the cache by hardlinks, an unchanged cell is answered from its result)",

@@ -90,6 +90,8 @@ def freeze(ctx: CellContext) -> dict[str, str]:
 
 def phase(ctx: CellContext, resolved: Resolved) -> Installed | CellResult:
     """Create the venv if needed and sync it to the lock, each step retried once; install error otherwise."""
+    if ctx.opts.disk_budget_gb is not None:
+        keep_disk_budget(ctx, resolved)
     with ctx.timed("install"):
         failure = _install(ctx)
     if isinstance(failure, DiskFilled):
@@ -105,6 +107,27 @@ def phase(ctx: CellContext, resolved: Resolved) -> Installed | CellResult:
         return record.finish(ctx, Outcome.INSTALL_ERROR, failure)
     versions = freeze(ctx)
     return Installed(resolved, versions, check_abi(ctx, versions))
+
+
+def keep_disk_budget(ctx: CellContext, resolved: Resolved) -> None:
+    """--disk-budget: make room in uv's cache for this cell's install (see kvcompat.run.cachebudget)."""
+    from kvcompat.run import cachebudget
+
+    budget = ctx.opts.disk_budget_gb
+    with ctx.timed("budget"):
+        running = cachebudget.running_cells(ctx.venv.parent)
+        keep = cachebudget.needed(ctx.opts.work_root, running) | set(index.parse_lock(resolved.lock).items())
+        evicted, freed, left = cachebudget.evict(cachebudget.uv_cache_dir(), int(budget * 2**30), keep)
+    if evicted:
+        ctx.say(
+            f"disk budget {budget:g} GiB: evicted {evicted} unpacked wheels ({freed / 2**30:.1f} GiB) from uv's "
+            f"cache that neither this cell nor a running one pins; {left / 2**30:.1f} GiB left"
+        )
+    if left > budget * 2**30:
+        ctx.say(
+            f"disk budget {budget:g} GiB: uv's cache still holds {left / 2**30:.1f} GiB, all of it pinned by this "
+            "cell or a running one"
+        )
 
 
 def check_abi(ctx: CellContext, versions: dict[str, str]) -> dict:

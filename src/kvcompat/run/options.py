@@ -19,6 +19,7 @@ class RunOptions:
     force: bool = False  # ignore a cached result with the same key
     pytest_args: tuple[str, ...] = ()
     min_free_gb: float = 15.0  # a fresh CUDA-torch cell can take ~10 GB if nothing is cached
+    disk_budget_gb: float | None = None  # uv's cache size kept before each install (run.cachebudget)
     work_dir: Path | None = None  # per-cell logs and locks; default .kvcompat/cells
     # An unchanged cell is confirmed by an offline resolution (0.3 s) only while its
     # last online resolution is younger than this; after that the index is asked again.
