@@ -283,10 +283,12 @@ def shared_with_earlier_steps(opts: RunOptions, cell: Cell, earlier: list[Cell])
     torch = ""
     if "torch" in mine:
         torch = f"; torch {mine['torch']} " + (f"as in {torch_from}'s cell" if torch_from else "is new to this bisect")
-    return (
-        f"reuse: {len(seen)} of {len(mine)} pins were installed by earlier steps{torch} "
-        "(hardlinked from uv's cache, not downloaded again)"
+    how = (
+        "hardlinked from uv's cache unless --disk-budget evicted them"
+        if opts.disk_budget_gb is not None
+        else "hardlinked from uv's cache, not downloaded again"
     )
+    return f"reuse: {len(seen)} of {len(mine)} pins were installed by earlier steps ({how}){torch}"
 
 
 def connector_tree(root: Path, cell: Cell, index_url: str) -> Path:

@@ -215,3 +215,28 @@ def test_bisect_takes_the_disk_floor_of_the_cells_it_installs():
     values, _ = options.parse("bisect", ["--test", "t", "--good", "0.1.0", "--bad", "0.2.0", "--min-free-gb", "8"], {})
     assert values.min_free_gb == 8.0
     assert options.parse("bisect", ["--test", "t", "--good", "0.1.0", "--bad", "0.2.0"], {})[0].min_free_gb == 15.0
+
+
+@pytest.mark.parametrize("budget", [None, 40.0])
+def test_a_step_says_which_pins_and_which_torch_it_had_from_earlier_steps(tmp_path, budget):
+    from kvcompat.cells import Cell
+    from kvcompat.run.options import RunOptions
+    from kvcompat.sessions import shared_with_earlier_steps
+
+    opts = RunOptions(repo=tmp_path, results_dir=tmp_path / "results", disk_budget_gb=budget)
+    locks = {
+        "0.20.2": "torch==2.11.0\nnumpy==2.2.0\nsix==1.16.0\n",
+        "0.26.0": "torch==2.11.0\nnumpy==2.3.0\nsix==1.16.0\nvllm==0.26.0\n",
+        "0.33.0": "torch==2.14.0\nnumpy==2.3.0\n",
+    }
+    cells = {v: Cell(vllm=v, torch="pinned") for v in locks}
+    for v, text in locks.items():
+        (opts.work_root / cells[v].id).mkdir(parents=True)
+        (opts.work_root / cells[v].id / "lock.txt").write_text(text)
+    assert shared_with_earlier_steps(opts, cells["0.20.2"], []) is None  # the first step had nothing before it
+    how = "unless --disk-budget evicted them" if budget else "not downloaded again"
+    first = shared_with_earlier_steps(opts, cells["0.33.0"], [cells["0.20.2"]])
+    assert first.startswith("reuse: 0 of 2 pins were installed by earlier steps (hardlinked from uv's cache")
+    assert how in first and first.endswith("; torch 2.14.0 is new to this bisect")
+    later = shared_with_earlier_steps(opts, cells["0.26.0"], [cells["0.33.0"], cells["0.20.2"]])
+    assert later.startswith("reuse: 3 of 4 pins") and later.endswith("; torch 2.11.0 as in 0.20.2's cell")
