@@ -400,3 +400,36 @@ def test_long_phases_report_progress(tmp_path, fake_wheel, make_suite, opts):
     result = run(wheel_cell(fake_wheel()), tmp_path, opts(suite, heartbeat_s=1), lines)
     assert result.outcome is Outcome.PASS
     assert any("test still running after" in line for line in lines)
+
+
+def test_cells_install_one_at_a_time_so_uv_never_downloads_a_wheel_twice(
+    tmp_path, fake_wheel, make_suite, opts, monkeypatch
+):
+    """A cell whose install would overlap another's waits for it (two uv processes that miss the
+    same wheel both download and store it), says so, and then installs and passes."""
+    import fcntl
+    import threading
+    import time
+
+    from kvcompat.run import install
+
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "uv-cache"))
+    path = install.install_lock_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another cell is installing
+    lines: list[str] = []
+    done: list = []
+    worker = threading.Thread(
+        target=lambda: done.append(run(wheel_cell(fake_wheel()), tmp_path, opts(make_suite(test_ok=PASSING)), lines))
+    )
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not any("waiting for another cell's install" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert not any("install …" in line for line in lines), lines  # it has not started installing
+    os.close(fd)  # the other install finished
+    worker.join(120)
+    (result,) = done
+    assert result.outcome is Outcome.PASS and result.phases["install_wait"] >= 1.0
