@@ -41,6 +41,7 @@ from matrix_bench import gib, naive, rx_bytes, wheel_sizes  # noqa: E402
 from kvcompat.index import parse_lock  # noqa: E402  (matrix_bench put src/ on the path)
 
 NEEDS_GIB = 70
+PHASES = ["naive", "bisect", "cold", "warm", "unchanged"]
 # uv's cache for the whole history is ~59 GiB unpacked; the budget keeps a run inside a 70 GiB disk.
 BUDGET_GIB = "56"
 BISECT = ["--find-fix", "--bad", "0.13.0", "--good", "0.33.0", "--test", "test_reset_cache_goes_to_both_children"]
@@ -84,25 +85,49 @@ def nox(project: Path, args: list[str], env: dict, log: Path) -> tuple[float, st
     return time.monotonic() - t0, proc.stdout + proc.stderr
 
 
-def unique_unpacked(cache: Path, locks: list[Path]) -> tuple[int, int]:
-    """(count, bytes) of the distributions the locks name, each once, unpacked: the sizes in the
-    RECORD of its unpacked copy in uv's cache (the floor of a cache + hardlinked venvs)."""
-    wanted: set[tuple[str, str]] = set()
-    for lock in locks:
-        wanted.update(parse_lock(lock.read_text()).items())
-    sizes: dict[tuple[str, str], int] = {}
-    for record in cache.glob("archive-v0/*/*.dist-info/RECORD"):
-        name, _, version = record.parent.name.removesuffix(".dist-info").rpartition("-")
-        key = (re.sub(r"[-_.]+", "-", name).lower(), version)
-        if key not in wanted or key in sizes:
-            continue
-        total = 0
-        for row in record.read_text().splitlines():
-            fields = row.rsplit(",", 2)
-            if len(fields) == 3 and fields[2].isdigit():
-                total += int(fields[2])
-        sizes[key] = total
-    return len(sizes), sum(sizes.values())
+class UnpackedFloor:
+    """The unpacked size of each distribution uv's cache held at any moment of a run, by name and
+    version, from its RECORD: the floor of a cache + hardlinked venvs.  Watched while the run goes,
+    so entries that --disk-budget evicted still count."""
+
+    def __init__(self, cache: Path) -> None:
+        self.cache, self.sizes, self._seen = cache, {}, set()
+
+    def scan(self) -> None:
+        for record in self.cache.glob("archive-v0/*/*.dist-info/RECORD"):
+            if record in self._seen:
+                continue
+            try:
+                rows = record.read_text().splitlines()
+            except OSError:  # evicted, or still being written
+                continue
+            self._seen.add(record)
+            name, _, version = record.parent.name.removesuffix(".dist-info").rpartition("-")
+            total = sum(int(f[2]) for f in (r.rsplit(",", 2) for r in rows) if len(f) == 3 and f[2].isdigit())
+            self.sizes.setdefault((re.sub(r"[-_.]+", "-", name).lower(), version), total)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(15.0):
+            self.scan()
+
+    def __enter__(self) -> UnpackedFloor:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.scan()
+
+    def of(self, locks: list[Path]) -> tuple[int, int]:
+        """(count, bytes) of the distributions the locks name, each once."""
+        wanted: set[tuple[str, str]] = set()
+        for lock in locks:
+            wanted.update(parse_lock(lock.read_text()).items())
+        found = [n for key, n in self.sizes.items() if key in wanted]
+        return len(found), sum(found)
 
 
 def bisect_steps(output: str) -> list[str]:
@@ -114,6 +139,7 @@ def main() -> int:
     ap.add_argument("--naive-sample", nargs="+", default=["0.33.0"])
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--phases", nargs="+", default=PHASES, choices=PHASES, help="a subset, e.g. --phases cold")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvcompat-history-bench-", dir=args.workdir))
     free = shutil.disk_usage(work).free / 2**30
@@ -129,31 +155,32 @@ def main() -> int:
     # 2x-sized disk; the benchmark measures that peak instead.
     base_env = {"KVCOMPAT_MIN_FREE_GB": "5", "PYTHONDONTWRITEBYTECODE": "1"}
 
-    if not args.skip_naive:
+    if "naive" in args.phases and not args.skip_naive:
         rx = rx_bytes()
         per = naive(args.naive_sample, work, log)
         out["naive_per_cell"] = sum(per.values()) / len(per)
         print(f"naive: {out['naive_per_cell']:.0f}s a cell, {gib(rx_bytes() - rx)} received", flush=True)
 
     # -- bisect, cold then warm, on a cache of its own
-    project = copy_project(work / "bisect-project")
-    env = {**base_env, "UV_CACHE_DIR": str(work / "uv-bisect")}
-    bisect_runs = {}
-    for mode, extra in (("cold", []), ("warm", ["--force"])):
-        rx = rx_bytes()
-        cmd = ["-s", "bisect", "--", *BISECT, "--env", "today", "--disk-budget", BUDGET_GIB, *extra]
-        secs, text = nox(project, cmd, env, log)
-        steps = bisect_steps(text)
-        answer = next((ln.strip() for ln in text.splitlines() if "first good:" in ln), "?")
-        bisect_runs[mode] = {"seconds": secs, "steps": steps, "received": rx_bytes() - rx, "answer": answer}
-        print(f"bisect {mode}: {len(steps)} cells in {secs:.0f}s, {gib(rx_bytes() - rx)} received", flush=True)
-        for ln in steps:
-            print("   ", ln)
-    versions = re.search(r"bisecting \(\w+\) (\d+) vllm releases", text)
-    n = int(versions.group(1)) if versions else 0
-    out["bisect"] = {"releases": n, "bound": math.ceil(math.log2(n)) + 1 if n > 1 else 1, **bisect_runs}
-    shutil.rmtree(work / "uv-bisect")
-    shutil.rmtree(project / ".kvcompat" / "venvs", ignore_errors=True)
+    if "bisect" in args.phases:
+        project = copy_project(work / "bisect-project")
+        env = {**base_env, "UV_CACHE_DIR": str(work / "uv-bisect")}
+        bisect_runs = {}
+        for mode, extra in (("cold", []), ("warm", ["--force"])):
+            rx = rx_bytes()
+            cmd = ["-s", "bisect", "--", *BISECT, "--env", "today", "--disk-budget", BUDGET_GIB, *extra]
+            secs, text = nox(project, cmd, env, log)
+            steps = bisect_steps(text)
+            answer = next((ln.strip() for ln in text.splitlines() if "first good:" in ln), "?")
+            bisect_runs[mode] = {"seconds": secs, "steps": steps, "received": rx_bytes() - rx, "answer": answer}
+            print(f"bisect {mode}: {len(steps)} cells in {secs:.0f}s, {gib(rx_bytes() - rx)} received", flush=True)
+            for ln in steps:
+                print("   ", ln)
+        versions = re.search(r"bisecting \(\w+\) (\d+) vllm releases", text)
+        n = int(versions.group(1)) if versions else 0
+        out["bisect"] = {"releases": n, "bound": math.ceil(math.log2(n)) + 1 if n > 1 else 1, **bisect_runs}
+        shutil.rmtree(work / "uv-bisect")
+        shutil.rmtree(project / ".kvcompat" / "venvs", ignore_errors=True)
 
     # -- the history matrix: cold, warm, unchanged, on another empty cache
     project = copy_project(work / "history-project")
@@ -164,13 +191,16 @@ def main() -> int:
     )
     runs = {}
     budget = ["--prune", "--disk-budget", BUDGET_GIB]
+    floor = UnpackedFloor(cache)
     for mode, extra in (
         ("cold", ["-j", "2", "--", *budget]),
         ("warm", ["-j", "2", "--", "--force", *budget]),
         ("unchanged", ["--", *budget]),
     ):
+        if mode not in args.phases:
+            continue
         rx = rx_bytes()
-        with DiskPeak(work) as disk:
+        with DiskPeak(work) as disk, floor:
             secs, _ = nox(project, ["-s", "matrix", *extra], env, log)
         runs[mode] = {"seconds": secs, "received": rx_bytes() - rx, "peak_disk": disk.peak}
         print(
@@ -179,7 +209,7 @@ def main() -> int:
         )
     locks = sorted((project / ".kvcompat" / "cells").glob("*/lock.txt"))
     wheels = wheel_sizes(locks)
-    n_unpacked, unpacked = unique_unpacked(cache, locks)
+    n_unpacked, unpacked = floor.of(locks)
     bytecode = sum(p.stat().st_size for p in (project / ".kvcompat" / "cells").glob("*/bytecode/**/*") if p.is_file())
     outcomes: dict[str, int] = {}
     for p in (project / "results").glob("*.json"):
@@ -199,32 +229,45 @@ def main() -> int:
     (work / "summary.json").write_text(json.dumps(out, indent=2))
 
     h = out["history"]
-    print(f"\n== one run, {time.strftime('%Y-%m-%d %H:%M')} ({os.cpu_count()} cores) ==")
+    print(
+        f"\n== one run, {time.strftime('%Y-%m-%d %H:%M')} ({os.cpu_count()} cores), phases {' '.join(args.phases)} =="
+    )
     print(f"history: {cells} cells; outcomes {outcomes}")
     if "naive_per_cell" in out:
         loop = out["naive_per_cell"] * cells
         print(
             f"naive loop: {out['naive_per_cell']:.0f}s a cell ({', '.join(args.naive_sample)}) x {cells} = {loop:.0f}s"
         )
-        print(f"naive / history warm -j 2 = {loop / runs['warm']['seconds']:.1f}x   (goal >= 8x)")
-        print(f"naive / history cold -j 2 = {loop / runs['cold']['seconds']:.1f}x")
-    print(f"history warm -j 2: {runs['warm']['seconds']:.0f}s ({runs['warm']['seconds'] / cells:.1f}s a cell)")
-    print(f"history unchanged: {runs['unchanged']['seconds']:.2f}s   (goal < 3 s)")
-    print(
-        f"history cold received {gib(runs['cold']['received'])} = {runs['cold']['received'] / h['wheel_floor']:.3f}x "
-        f"the floor ({h['wheels']} unique wheels, {gib(h['wheel_floor'])} on the index)   (goal <= 1.1x)"
-    )
-    print(
-        f"history cold peak disk +{gib(runs['cold']['peak_disk'])} = {runs['cold']['peak_disk'] / unpacked:.3f}x the floor "
-        f"({n_unpacked} unique distributions unpacked, {gib(unpacked)})   (goal <= 1.15x); bytecode kept: {gib(bytecode)}"
-    )
-    b = out["bisect"]
-    for mode in ("cold", "warm"):
-        r = b[mode]
+        for mode in ("warm", "cold"):
+            if mode in runs:
+                goal = "   (goal >= 8x)" if mode == "warm" else ""
+                print(f"naive / history {mode} -j 2 = {loop / runs[mode]['seconds']:.1f}x{goal}")
+    if "warm" in runs:
+        r = runs["warm"]
         print(
-            f"bisect {mode}: {len(r['steps'])} cells for {b['releases']} releases (bound ceil(log2 N)+1 = {b['bound']}) "
-            f"in {r['seconds']:.0f}s; {r['answer']}"
+            f"history warm -j 2: {r['seconds']:.0f}s ({r['seconds'] / cells:.1f}s a cell), {gib(r['received'])} received"
         )
+    if "unchanged" in runs:
+        print(f"history unchanged: {runs['unchanged']['seconds']:.2f}s   (goal < 3 s)")
+    if "cold" in runs:
+        r = runs["cold"]
+        print(
+            f"history cold {r['seconds']:.0f}s, received {gib(r['received'])} = {r['received'] / h['wheel_floor']:.3f}x "
+            f"the floor ({h['wheels']} unique wheels, {gib(h['wheel_floor'])} on the index)   (goal <= 1.1x)"
+        )
+        print(
+            f"history cold peak disk +{gib(r['peak_disk'])} = {r['peak_disk'] / unpacked:.3f}x the floor "
+            f"({n_unpacked} unique distributions unpacked, {gib(unpacked)})   (goal <= 1.15x); "
+            f"bytecode kept: {gib(bytecode)}"
+        )
+    b = out.get("bisect", {})
+    for mode in ("cold", "warm"):
+        if mode in b:
+            r = b[mode]
+            print(
+                f"bisect {mode}: {len(r['steps'])} cells for {b['releases']} releases (bound ceil(log2 N)+1 = "
+                f"{b['bound']}) in {r['seconds']:.0f}s; {r['answer']}"
+            )
     print(f"summary: {work / 'summary.json'}")
     return 0
 
