@@ -259,8 +259,11 @@ def _cutoff(
 def _pinned_torch(
     cell: Cell, constraints_dir: Path, cache_root: Path, find_links: tuple[str, ...], index_url: str
 ) -> str | None:
+    # The cell's own requirements, not vLLM's alone: torch is the same either way, and the cell's
+    # resolve phase can then take this answer while it is fresh (kvcompat.run.resolve.listed_lock)
+    # instead of asking the index the same question again minutes later.
     res = index.resolve(
-        [cell.vllm_requirement],
+        cell.requirements(),
         python=cell.python,
         constraints=constraints_for(cell.vllm, constraints_dir),
         overrides=cell.override_lines(),

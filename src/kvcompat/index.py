@@ -177,20 +177,11 @@ def resolve(
     ``offline`` resolves from uv's cache only (~0.3 s instead of ~3 s): used to
     confirm an unchanged cell, never to build one.
     """
-    key_src = json.dumps(
-        [
-            requirements,
-            python,
-            [p.read_text() for p in constraints],
-            list(overrides),
-            list(find_links),
-            index_url,
-            exclude_newer,
-        ]
-    )
     cache = None
     if cache_root is not None:
-        cache = _cache_dir(cache_root, "resolve") / (hashlib.sha256(key_src.encode()).hexdigest()[:24] + ".txt")
+        cache = _answer_path(
+            cache_root, requirements, python, constraints, overrides, find_links, index_url, exclude_newer
+        )
         if cache.exists():
             lock = cache.read_text()
             return Resolution(True, lock, parse_lock(lock), "", 0.0)
@@ -220,9 +211,47 @@ def resolve(
         seconds = time.monotonic() - t0
     if proc.returncode != 0:
         return Resolution(False, "", {}, proc.stderr.strip() or proc.stdout.strip(), seconds)
-    if cache is not None:
+    if cache is not None and not offline:  # the file's mtime says when the index answered (see answered)
         write_atomic(cache, proc.stdout)
     return Resolution(True, proc.stdout, parse_lock(proc.stdout), "", seconds)
+
+
+def _answer_path(
+    cache_root, requirements, python, constraints, overrides, find_links, index_url, exclude_newer
+) -> Path:
+    """Where ``resolve`` keeps the answer to these inputs (the index aside) under ``cache_root``."""
+    key_src = json.dumps(
+        [
+            list(requirements),
+            python,
+            [p.read_text() for p in constraints],
+            list(overrides),
+            list(find_links),
+            index_url,
+            exclude_newer,
+        ]
+    )
+    return _cache_dir(cache_root, "resolve") / (hashlib.sha256(key_src.encode()).hexdigest()[:24] + ".txt")
+
+
+def answered(
+    requirements: list[str],
+    *,
+    python: str,
+    cache_root: Path,
+    constraints: list[Path] = (),
+    overrides: list[str] = (),
+    find_links: tuple[str, ...] = (),
+    index_url: str | None = None,
+    exclude_newer: str | None = None,
+) -> tuple[str, float] | None:
+    """The lock an online ``resolve`` of exactly these inputs stored under ``cache_root``, and when
+    (epoch seconds: the answer is written right after uv answered); None when never asked."""
+    path = _answer_path(cache_root, requirements, python, constraints, overrides, find_links, index_url, exclude_newer)
+    try:
+        return path.read_text(), path.stat().st_mtime
+    except OSError:
+        return None
 
 
 def parse_lock(text: str) -> dict[str, str]:

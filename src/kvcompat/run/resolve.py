@@ -171,6 +171,29 @@ def resolve_lock(ctx: CellContext, *, offline: bool) -> index.Resolution:
     )
 
 
+def listed_lock(ctx: CellContext) -> tuple[str, float] | None:
+    """The lock the matrix listing resolved online for this very cell (kvcompat.cells._pinned_torch
+    asks the index the cell's own question to learn its torch), and when, if that was within the
+    lock TTL: the same freshness ``recent_lock`` trusts.  None for a cell that overrides torch (its
+    question differs) or when the listing's answer is older."""
+    cell, opts = ctx.cell, ctx.opts
+    if cell.torch_override:
+        return None
+    found = index.answered(
+        cell.requirements(),
+        python=cell.python,
+        cache_root=opts.repo,
+        constraints=constraints_for(cell.vllm, opts.repo / "constraints"),
+        overrides=cell.override_lines(),
+        find_links=opts.find_links,
+        index_url=opts.index_url,
+        exclude_newer=cell.exclude_newer,
+    )
+    if found is None or time.time() - found[1] > opts.lock_ttl_s:
+        return None
+    return found
+
+
 def resolve_inputs(ctx: CellContext) -> str:
     """Hash of everything ``resolve_lock`` is given, besides the index: the same inputs, asked within
     the lock TTL, give the same lock.  uv itself counts (a new uv may resolve differently), and a
@@ -248,6 +271,14 @@ def phase(ctx: CellContext, cached: CellResult | None) -> Resolved | CellResult:
             resolved_at = cached.resolved_at
             age = (time.time() - cached.resolved_at) / 60
             ctx.say(f"lock as the index gave it {age:.0f} min ago (within the lock TTL): not asked again")
+        listed = listed_lock(ctx) if res is None else None
+        if listed is not None:
+            lock, resolved_at = listed
+            res = index.Resolution(ok=True, lock=lock, pins=index.parse_lock(lock), error="", seconds=0.0)
+            age = (time.time() - resolved_at) / 60
+            ctx.say(
+                f"lock as the index gave it to the matrix listing {age:.0f} min ago (within the lock TTL): not asked again"
+            )
         if res is None:
             res = resolve_lock(ctx, offline=False)
             if not res.ok and not res.unsatisfiable:  # the index could not be asked: one retry, as for installs
