@@ -259,6 +259,9 @@ def test_install_network_error_is_retried_once(
 ):
     """The index refuses connections for the first ``dead_attempts`` installs: one retry rides out a
     transient outage; a lasting one is an install error whose log tail shows the network error."""
+    from kvcompat.run import install
+
+    monkeypatch.setattr(install, "sync_from_cache", lambda ctx: False)  # uv's cache cold: the index is asked
     real_sh = CellContext.sh
     syncs: list[int] = []
 
@@ -281,6 +284,37 @@ def test_install_network_error_is_retried_once(
         assert "127.0.0.1:9" in result.log_tail
     else:
         assert result.counts()["passed"] == 2
+
+
+@pytest.mark.parametrize("uncached", [(), ("pytest",)])
+def test_a_venv_is_synced_from_uv_cache_asking_the_index_only_about_what_it_lacks(
+    tmp_path, fake_wheel, make_suite, opts, monkeypatch, uncached
+):
+    """Once uv's cache holds a lock's pins, the venv is built --offline (no index pages fetched);
+    a pin the cache lacks is fetched alone (--no-deps) before that.  The integrity check still
+    compares the venv with the lock."""
+    from kvcompat.run import cachebudget
+
+    wheel, suite = fake_wheel(), make_suite(test_ok=PASSING)
+    assert run(wheel_cell(wheel), tmp_path, opts(suite)).outcome is Outcome.PASS  # fills uv's cache
+    real_entries, real_sh, uv_steps = cachebudget.unpacked_entries, CellContext.sh, []
+    monkeypatch.setattr(
+        cachebudget, "unpacked_entries", lambda cache: [e for e in real_entries(cache) if e[0][0] not in uncached]
+    )
+
+    def sh(self, cmd, **kw):
+        if [str(c) for c in cmd[1:3]] in (["pip", "install"], ["pip", "sync"]):
+            uv_steps.append([str(c) for c in cmd])
+        return real_sh(self, cmd, **kw)
+
+    monkeypatch.setattr(CellContext, "sh", sh)
+    result = run(wheel_cell(wheel), tmp_path / "again", opts(suite, force=True))
+    assert result.outcome is Outcome.PASS, result.log_tail
+    assert [(step[2], "--offline" in step) for step in uv_steps] == [("install", False)] * bool(uncached) + [
+        ("sync", True)
+    ]
+    if uncached:
+        assert [a for a in uv_steps[0] if "==" in a] == [f"pytest=={result.versions['pytest']}"]
 
 
 def test_index_outage_while_resolving_is_an_install_error_not_unresolvable(
@@ -312,6 +346,34 @@ def test_forced_rerun_within_the_lock_ttl_does_not_ask_the_index(tmp_path, fake_
     stale = run(wheel_cell(wheel), tmp_path, opts(suite, force=True, lock_ttl_s=0.0), lines)
     assert stale.outcome is Outcome.PASS and stale.resolved_at > first.resolved_at
     assert not any("not asked again" in line for line in lines), lines
+
+
+def test_a_new_cell_takes_the_lock_the_matrix_listing_resolved_within_the_ttl(
+    tmp_path, fake_wheel, make_suite, opts, monkeypatch
+):
+    """The listing asks the index the cell's own question (to learn its torch); the cell's resolve
+    takes that answer while it is within the lock TTL, dated when the index gave it, instead of
+    asking again.  Past the TTL the cell asks the index itself."""
+    from kvcompat import cells, index
+
+    cache = tmp_path / "answers"
+    monkeypatch.setattr(
+        index, "_cache_dir", lambda root, kind: (cache / kind).mkdir(parents=True, exist_ok=True) or cache / kind
+    )
+    cell, suite = wheel_cell(fake_wheel()), make_suite(test_ok=PASSING)
+    cells._pinned_torch(cell, REPO / "constraints", REPO, (), opts(suite).index_url)
+    (answer,) = (cache / "resolve").iterdir()
+    real = index.resolve
+    monkeypatch.setattr(index, "resolve", lambda *a, **kw: pytest.fail("the index was asked again"))
+    lines: list[str] = []
+    result = run(cell, tmp_path, opts(suite), lines)
+    assert result.outcome is Outcome.PASS and result.resolved_at == answer.stat().st_mtime
+    assert any("lock as the index gave it to the matrix listing 0 min ago" in line for line in lines), lines
+    asked = []
+    monkeypatch.setattr(index, "resolve", lambda *a, **kw: asked.append(kw) or real(*a, **kw))
+    stale = run(cell, tmp_path, opts(suite, force=True, lock_ttl_s=0.0), lines)
+    assert stale.outcome is Outcome.PASS and stale.resolved_at > answer.stat().st_mtime
+    assert [kw["offline"] for kw in asked] == [False]
 
 
 def test_unchanged_within_the_ttl_runs_no_uv_unless_a_resolve_input_changed(
@@ -354,7 +416,8 @@ def test_a_pruned_cell_reruns_on_the_bytecode_it_compiled(tmp_path, fake_wheel, 
     assert any("/site-packages/vllm/" in str(p) for p in compiled)
     assert prune_venv(tmp_path, cell, lambda s: None) >= 0 and not venv.exists()
     again = run_cell(cell, venv, opts(suite, force=True), progress=lambda s: None)
-    assert again.outcome is Outcome.PASS and again.finished > first.finished
+    assert again.outcome is Outcome.PASS and venv.exists()  # rebuilt and rerun, not read back (a rerun
+    # from uv's cache can now finish within the second the first one did: `finished` may be equal)
     assert {p: p.stat().st_mtime_ns for p in compiled} == compiled  # read, not rewritten
 
 

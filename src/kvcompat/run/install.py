@@ -209,6 +209,38 @@ def uv_failure(out: str, default: str) -> str:
     return root_cause("\n".join(lines[start:]))
 
 
+def sync_from_cache(ctx: CellContext) -> bool:
+    """Sync the venv to the lock asking the index only about the pins uv's cache lacks.
+
+    Every uv call that reads the index downloads its pages again unless the index says they
+    are still fresh, and on an index that sends no Cache-Control or ETag that is ~70 MB a cell.
+    The lock was resolved online within the lock TTL, which refreshed the pages of everything
+    it pins, so what is already unpacked in the cache is installed ``--offline``, after the
+    missing pins (``--no-deps``: the lock names all of them) are fetched online.  False, with
+    nothing to undo, when nothing is cached or a step fails: the caller's online sync follows.
+    """
+    from kvcompat.run import cachebudget
+
+    lines = [line.strip() for line in ctx.files.lock.read_text().splitlines() if index.parse_lock(line)]
+    have = {dist for dist, _ in cachebudget.unpacked_entries(cachebudget.uv_cache_dir())}
+    # a lock line as it is (a local wheel's is its path), for each pin the cache lacks
+    missing = [line for line in lines if not set(index.parse_lock(line).items()) <= have]
+    if not lines or len(missing) == len(lines):
+        return False
+    uv, python, where = index.uv_bin(), ctx.python, ["--default-index", ctx.opts.index_url]
+    for fl in ctx.opts.find_links:
+        where += ["--find-links", fl]
+    steps = [[uv, "pip", "install", "--no-deps", "--python", python, *missing, *where]] if missing else []
+    steps.append([uv, "pip", "sync", ctx.files.lock, "--python", python, "--offline", *where])
+    for step in steps:
+        rc, out = ctx.sh(step, timeout=ctx.opts.install_timeout_s, phase="install")
+        if rc != 0:
+            ctx.files.append_log(out)
+            ctx.say(f"install from uv's cache did not complete ({uv_failure(out, 'uv failed')}); syncing online")
+            return False
+    return True
+
+
 def _install(ctx: CellContext) -> str | None:
     """None when the venv matches the lock, else the telling line of what failed."""
     if not ctx.python.exists():
@@ -217,7 +249,10 @@ def _install(ctx: CellContext) -> str | None:
         )
         if rc != 0:
             return last_error_line(out, "could not create the venv")
-    for step in install_steps(ctx):
+    steps = install_steps(ctx)
+    if sync_from_cache(ctx):
+        steps = steps[1:]  # the venv matches the lock: only the cell's extras are left
+    for step in steps:
         for attempt in (1, 2):  # one retry: index hiccups are common, real breakage is not fixed by a second try
             rc, out = ctx.sh(step, timeout=ctx.opts.install_timeout_s, phase="install")
             if rc == 0:
