@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -60,8 +61,20 @@ def sh(cmd: list[str], **kw) -> tuple[float, subprocess.CompletedProcess]:
     return time.monotonic() - t0, proc
 
 
-def floor_import(python: Path, *, gc: bool = True) -> float:
-    _, proc = sh([str(python), "-c", FLOOR_PROBE, *([] if gc else ["nogc"])], cwd=REPO)
+def cell_env(cell_id: str) -> dict[str, str]:
+    """The bytecode settings a cell's processes run with (kvcompat.run.process, CellContext.bytecode_env).
+
+    Without them the floor's interpreter would recompile vLLM and torch from source (~12 s, with
+    PYTHONDONTWRITEBYTECODE set as on this machine) while the cell reads its cached bytecode: a
+    floor slower than the cell, and a ratio below 1 that measures nothing.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(REPO / ".kvcompat" / "cells" / cell_id / "bytecode")
+    return env
+
+
+def floor_import(python: Path, env: dict[str, str], *, gc: bool = True) -> float:
+    _, proc = sh([str(python), "-c", FLOOR_PROBE, *([] if gc else ["nogc"])], cwd=REPO, env=env)
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("FLOOR_IMPORT"))
     return float(line.split()[1])
 
@@ -89,7 +102,7 @@ def test_bodies(result: Path) -> tuple[float, float, str]:
     return sum(t["duration"] for t in tests) - payer["duration"], payer["duration"], payer["nodeid"]
 
 
-def pytest_with_and_without(python: Path) -> tuple[float, float]:
+def pytest_with_and_without(python: Path, env: dict[str, str]) -> tuple[float, float]:
     """Wall time of the cell's pytest command as the runner gives it, with and without the cell-process mode."""
     times = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,7 +110,7 @@ def pytest_with_and_without(python: Path) -> tuple[float, float]:
             cmd = [str(python), "-m", "pytest", "tests/connectors", "-p", "kvcompat.testkit.pytest_plugin",
                    f"--kvcompat-json={tmp}/o.json", "-p", "no:cacheprovider", "-q",
                    "-m", "not real_nixl and not gpu", *extra]  # fmt: skip
-            wall, proc = sh(cmd, cwd=REPO)
+            wall, proc = sh(cmd, cwd=REPO, env=env)
             if proc.returncode != 0:
                 sys.exit(f"pytest failed:\n{proc.stdout[-2000:]}")
             times.append(wall)
@@ -137,12 +150,13 @@ def main() -> int:
     args = ap.parse_args()
     warm_cell(args.cell)  # builds the venv if needed, and makes the lock check current before measuring
     cell_id, python, result = cell_paths(args.cell)
+    env = cell_env(cell_id)
     print(f"warm cell {cell_id}: {args.rounds} rounds, each the floor and the warm cell side by side")
     ratios: list[float] = []
     strict_ratios: list[float] = []
     for r in range(1, args.rounds + 1):
-        imp = floor_import(python)
-        imp_nogc = floor_import(python, gc=False)
+        imp = floor_import(python, env)
+        imp_nogc = floor_import(python, env, gc=False)
         wall = warm_cell(args.cell)
         bodies, payer, name = test_bodies(result)
         phases = json.loads(result.read_text())["phases"]
@@ -159,7 +173,7 @@ def main() -> int:
     print(f"warm / floor with the floor's import gc-free like the cell's: {statistics.median(strict_ratios):.2f}x")
 
     print("\n== each cost removed from the warm path, measured now against the old way ==")
-    fast, slow = pytest_with_and_without(python)
+    fast, slow = pytest_with_and_without(python, env)
     print(f"pytest: {slow:.1f}s as before -> {fast:.1f}s with --kvcompat-cell-process (gc per test + os._exit): "
           f"saves {slow - fast:.1f}s")  # fmt: skip
     online, offline = resolve_online_vs_offline(cell_id, python)
