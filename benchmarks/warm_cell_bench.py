@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -61,16 +60,23 @@ def sh(cmd: list[str], **kw) -> tuple[float, subprocess.CompletedProcess]:
     return time.monotonic() - t0, proc
 
 
-def cell_env(cell_id: str) -> dict[str, str]:
-    """The bytecode settings a cell's processes run with (kvcompat.run.process, CellContext.bytecode_env).
+def cell_files(cell_id: str):
+    """The cell's working files where `nox -s matrix` keeps them (its lock, its bytecode)."""
+    from kvcompat.run.cellfiles import CellFiles
 
-    Without them the floor's interpreter would recompile vLLM and torch from source (~12 s, with
+    return CellFiles(REPO / ".kvcompat" / "cells" / cell_id, REPO / "results", cell_id)
+
+
+def cell_env(cell_id: str) -> dict[str, str]:
+    """The environment a cell's processes run in, its bytecode folder included.
+
+    Without it the floor's interpreter would recompile vLLM and torch from source (~12 s, with
     PYTHONDONTWRITEBYTECODE set as on this machine) while the cell reads its cached bytecode: a
     floor slower than the cell, and a ratio below 1 that measures nothing.
     """
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = str(REPO / ".kvcompat" / "cells" / cell_id / "bytecode")
-    return env
+    from kvcompat.run import process
+
+    return process.cell_environ({"PYTHONPYCACHEPREFIX": str(cell_files(cell_id).bytecode)})
 
 
 def floor_import(python: Path, env: dict[str, str], *, gc: bool = True) -> float:
@@ -121,8 +127,7 @@ def resolve_online_vs_offline(cell_id: str, python: Path) -> tuple[float, float]
     """vLLM's requirement resolved as a cell does, asking the index and from uv's cache."""
     from kvcompat import index
 
-    lock_dir = REPO / ".kvcompat" / "cells" / cell_id
-    reqs = [ln for ln in (lock_dir / "lock.txt").read_text().splitlines() if ln.startswith("vllm==")]
+    reqs = [ln for ln in cell_files(cell_id).lock.read_text().splitlines() if ln.startswith("vllm==")]
     out = []
     for offline in (False, True):
         t0 = time.monotonic()

@@ -24,6 +24,17 @@ CELL_ENV = {
 }
 
 
+def cell_environ(env: dict | None = None) -> dict[str, str]:
+    """The environment a cell's commands run in: the caller's, then ours, then ``env``."""
+    full_env = {**os.environ, **CELL_ENV, **(env or {})}
+    full_env.pop("VIRTUAL_ENV", None)
+    # uv installs without .pyc files; with PYTHONDONTWRITEBYTECODE set (it is on this
+    # project's machines) every run would recompile ~5000 modules of vLLM and torch from
+    # source: ~12 s per process.  Cells are ours, so let Python cache bytecode (where: CellContext.bytecode_env).
+    full_env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return full_env
+
+
 def run_command(
     cmd: list,
     files: CellFiles,
@@ -40,18 +51,12 @@ def run_command(
     Long commands say every ``heartbeat_s`` that they are still running, with their last line.
     """
     files.append_log(f"$ {' '.join(map(str, cmd))}")
-    full_env = {**os.environ, **CELL_ENV, **(env or {})}
-    full_env.pop("VIRTUAL_ENV", None)
-    # uv installs without .pyc files; with PYTHONDONTWRITEBYTECODE set (it is on this
-    # project's machines) every run would recompile ~5000 modules of vLLM and torch from
-    # source: ~12 s per process.  Cells are ours, so let Python cache bytecode (where: CellContext.bytecode_env).
-    full_env.pop("PYTHONDONTWRITEBYTECODE", None)
     proc = subprocess.Popen(
         [str(c) for c in cmd],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=full_env,
+        env=cell_environ(env),
         cwd=cwd,
         start_new_session=True,
         errors="replace",
