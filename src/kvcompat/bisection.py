@@ -125,6 +125,10 @@ def verdict_for(result: CellResult, test: str) -> Step:
     if not matched:
         names = ", ".join(sorted({t.nodeid.split("::")[-1] for t in result.tests})[:8])
         raise BisectError(f"--test {test!r} matches no test in {result.id}; use a node id or keyword such as: {names}")
+    blocked = [t for t in matched if t.blocked_by is not None]
+    matched = [t for t in matched if t.blocked_by is None]
+    if blocked and not matched:  # a setup step another contract owns failed: no verdict on this test
+        return Step(version, Verdict.SKIP, f"blocked by {blocked[0].blocked_by}: {headline(blocked[0].message)}")
     outcomes = {t.outcome for t in matched}
     bad = (TestOutcome.FAILED, TestOutcome.UNSUPPORTED, TestOutcome.ERROR)  # unsupported is a verdict, like fail
     names = ", ".join(t.nodeid.split("::")[-1] for t in matched if t.outcome in bad)

@@ -22,6 +22,7 @@ from packaging.version import Version
 from kvcompat import index
 from kvcompat.matrix import NIXL_FAKE, Entry, MatrixError, load_matrix, matrix_source
 from kvcompat.options import PYPI
+from kvcompat.outcomes import CHILD_ORDERS
 
 PYTHON = "3.11"
 # An as-released cell resolves as the index stood this long after the vLLM release's upload:
@@ -59,6 +60,7 @@ class Cell:
     overrides: tuple[str, ...] = ()
     env: str = "today"  # or "as-released": resolved as the index stood at exclude_newer
     exclude_newer: str | None = None  # ISO timestamp: the release's upload time + AS_RELEASED_GRACE
+    order: str = CHILD_ORDERS[0]  # MultiConnector's children: "nixl-first" or "offload-first"
 
     @property
     def id(self) -> str:
@@ -74,6 +76,8 @@ class Cell:
             parts.append("override-" + "+".join(o.replace("==", "-") for o in self.overrides))
         if self.env != "today":
             parts.append(self.env)
+        if self.order != CHILD_ORDERS[0]:
+            parts.append(self.order)
         return re.sub(r"[^A-Za-z0-9._+-]", "_", "__".join(parts))
 
     @property
@@ -89,6 +93,8 @@ class Cell:
             parts.append(f"overrides={' '.join(self.overrides)!r}")
         if self.env != "today":
             parts.append(f"env={self.env!r}")
+        if self.order != CHILD_ORDERS[0]:
+            parts.append(f"order={self.order!r}")
         return ", ".join(parts)
 
     @property
@@ -110,6 +116,7 @@ class Cell:
             tags.append("real-nixl")
         if self.wheel is not None:
             tags.append("candidate")
+        tags += [self.order, _ident(self.order)]  # nox -t offload-first; nox -k offload_first
         return tags
 
     @property
@@ -209,7 +216,7 @@ def resolve_cells(
     cells: dict[str, Cell] = {}
     for entry in entries:
         for version, wheel in expand_versions(entry, available):
-            for torch, nixl, env in itertools.product(entry.torch, entry.nixl, entry.env):
+            for torch, nixl, env, order in itertools.product(entry.torch, entry.nixl, entry.env, entry.order):
                 base = Cell(
                     vllm=version,
                     torch="pinned",
@@ -221,6 +228,7 @@ def resolve_cells(
                     overrides=entry.overrides,
                     env=env,
                     exclude_newer=_cutoff(entry, version, wheel, env, uploaded),
+                    order=order,
                 )
                 if torch == "pinned":
                     cell = dataclasses.replace(base, torch=pinned_torch(base) or "pinned")
@@ -230,7 +238,11 @@ def resolve_cells(
                     merged = tuple(dict.fromkeys(cells[cell.id].suites + cell.suites))
                     cell = dataclasses.replace(cells[cell.id], suites=merged)
                 cells[cell.id] = cell
-    return sorted(cells.values(), key=lambda c: (Version(c.vllm), c.dist, c.torch, c.nixl, c.env), reverse=True)
+    return sorted(
+        cells.values(),
+        key=lambda c: (Version(c.vllm), c.dist, c.torch, c.nixl, c.env, c.order == CHILD_ORDERS[0]),
+        reverse=True,
+    )
 
 
 def load_cells(root: Path, matrix: str, *, index_url: str, find_links: tuple[str, ...] = ()) -> list[Cell]:

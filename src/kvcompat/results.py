@@ -37,6 +37,14 @@ class TestResult:
     duration: float
     message: str | None = None  # failure/error text, or the not-applicable reason
     suite: str = "ours"
+    # An error in a setup step another test owns: that test's name (its contract).  The test has
+    # no verdict of its own here: the timeline and the bisect step over it.
+    blocked_by: str | None = None
+
+    @property
+    def has_verdict(self) -> bool:
+        """Whether this result says anything about the test's own contract."""
+        return self.outcome is not TestOutcome.NOT_APPLICABLE and self.blocked_by is None
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "outcome": self.outcome.value}

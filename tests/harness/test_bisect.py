@@ -240,3 +240,10 @@ def test_a_step_says_which_pins_and_which_torch_it_had_from_earlier_steps(tmp_pa
     assert how in first and first.endswith("; torch 2.14.0 is new to this bisect")
     later = shared_with_earlier_steps(opts, cells["0.26.0"], [cells["0.33.0"], cells["0.20.2"]])
     assert later.startswith("reuse: 3 of 4 pins") and later.endswith("; torch 2.11.0 as in 0.20.2's cell")
+
+
+def test_a_blocked_test_is_skipped_never_bad():
+    blocked = make_result(outcome=Outcome.TEST_FAIL, tests=[("t.py::test_hs", "error", "boom")], detail="d", prefix="")
+    blocked.tests[0].blocked_by = "test_register"
+    step = bis.verdict_for(blocked, "test_hs")
+    assert step.verdict is bis.Verdict.SKIP and step.why.startswith("blocked by test_register")

@@ -127,3 +127,15 @@ def test_constraints_apply_per_minor(tmp_path):
     assert constraints_for("0.19.1", tmp_path) == [tmp_path / "vllm-0.19.txt"]
     assert constraints_for("0.19.0", tmp_path) == [tmp_path / "vllm-0.19.txt"]
     assert constraints_for("0.20.2", tmp_path) == []
+
+
+def test_child_order_is_a_dimension_nixl_first_by_default(tmp_path):
+    """order = ["nixl-first", "offload-first"]: two cells; only the non-default order shows in ids and names."""
+    first, second = cells_for([Entry(vllm=Version("0.33.0"), order=("nixl-first", "offload-first"))], tmp_path)
+    assert (first.order, first.id) == ("nixl-first", "vllm-0.33.0__torch-2.14.0")
+    assert (second.order, second.id) == ("offload-first", "vllm-0.33.0__torch-2.14.0__offload-first")
+    assert second.nox_id == "vllm='0.33.0', torch='2.14.0', order='offload-first'"
+    assert {"offload-first", "offload_first"} <= set(second.tags) and "nixl-first" in first.tags
+    assert first.requirements() == second.requirements()  # the same environment, another deployment of it
+    (default,) = cells_for([Entry(vllm=Version("0.33.0"))], tmp_path)
+    assert default.order == "nixl-first"

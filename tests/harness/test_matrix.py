@@ -118,3 +118,12 @@ def test_pyproject_without_table(tmp_path):
 
 def test_string_entry_is_shorthand():
     assert parse_entry("0.33.0", where="w", base=Path(".")).vllm == Version("0.33.0")
+
+
+def test_order_takes_the_two_child_orders_and_nothing_else(tmp_path):
+    entry = parse_entry({"vllm": "0.33.0", "order": ["nixl-first", "offload-first"]}, where="w", base=tmp_path)
+    assert entry.order == ("nixl-first", "offload-first")
+    assert parse_entry({"vllm": "0.33.0"}, where="w", base=tmp_path).order == ("nixl-first",)
+    for bad in ("offload", [], ["nixl-first", 3]):
+        with pytest.raises(MatrixError, match='order must be "nixl-first", "offload-first" or a list of them'):
+            parse_entry({"vllm": "0.33.0", "order": bad}, where="w", base=tmp_path)

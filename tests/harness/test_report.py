@@ -287,7 +287,7 @@ def history_results(tmp_path):
 def test_timeline_rows_are_contracts_and_columns_releases_oldest_first(tmp_path):
     rep = build_report([history_results(tmp_path)])
     assert rep.is_history
-    tl = rep.timeline()
+    tl = rep.timelines()[0]
     assert [c.release for c in tl.columns] == ["0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0"]
     assert [c.torch for c in tl.columns][:3] == ["torch 2.10.0", "torch 2.10.0", "torch 2.11.0"]  # the pinned cell
     assert all(c.suites == ["ours/fake"] for c in tl.columns)
@@ -316,7 +316,7 @@ def test_timeline_never_greener_than_the_cell(tmp_path):
     write_result(
         results, result("0.24.0", "2.11.0", Outcome.IMPORT_ERROR, [("test_store", "passed", None)], detail="ABI ✗ 1")
     )
-    rows = {r.label: r for r in build_report([results]).timeline().rows}
+    rows = {r.label: r for r in build_report([results]).timelines()[0].rows}
     assert rows["test_store"].squares[-1].status == "import error"
     assert rows["test_store"].fixed_in == "0.22.1"  # the import error neither breaks nor fixes
 
@@ -339,7 +339,7 @@ def test_timeline_names_untested_releases_and_earlier_runs():
         ],
         generated="now",
     )
-    (row,) = rep.timeline().rows
+    (row,) = rep.timelines()[0].rows
     assert (row.first_fail, row.last_pass, row.fixed_in, row.earlier) == ("0.13.0", "0.11.0", "0.15.0", 1)
     assert row.untested_break == ["0.12.0"] and row.untested_fix == ["0.14.0"]
     assert timeline_summary(row) == (
@@ -404,5 +404,48 @@ def test_timeline_names_the_file_only_where_a_test_name_is_ambiguous():
     ]
     cells[0].tests += make_result(tests=[("test_a", "passed", None)], prefix="tests/connectors/test_y.py::").tests
     cells[0].tests += make_result(tests=[("test_b[1]", "passed", None)]).tests
-    labels = [r.label for r in Report(cells, generated="now").timeline().rows]
+    labels = [r.label for r in Report(cells, generated="now").timelines()[0].rows]
     assert labels == ["test_b[1]", "test_x.py::test_a", "test_y.py::test_a"]
+
+
+def test_a_test_blocked_by_another_contract_neither_breaks_nor_fixes_its_row():
+    """A test error in a setup step another contract owns shows as a test error naming the owner, and
+    its row's first fail is the row's own (0.26.0 here, not the blocked 0.23.0-0.25.1)."""
+    from kvcompat.report.model import Report
+
+    def cell(v, outcome):
+        r = result(v, "2.11.0", Outcome.TEST_FAIL if outcome != "passed" else Outcome.PASS, [("test_hs", outcome, "m")])
+        if outcome == "error":
+            r.tests[0].blocked_by = "test_register"
+        return r
+
+    versions = {"0.22.1": "passed", "0.23.0": "error", "0.24.0": "error", "0.25.1": "passed", "0.26.0": "failed"}
+    rep = Report([cell(v, o) for v, o in versions.items()], generated="now")
+    (row,) = rep.timelines()[0].rows
+    assert [s.status for s in row.squares] == ["pass", "test error", "test error", "pass", "test fail"]
+    assert row.squares[1].blocked_by == "test_register"
+    assert (row.first_fail, row.last_pass, row.fixed_in, row.earlier) == ("0.26.0", "0.25.1", None, 0)
+    assert [(e.first_failed, e.last_passed) for e in rep.episodes()] == [("0.26.0", "0.25.1")]
+
+
+def test_each_child_order_has_a_timeline_of_its_own():
+    """Cells of both child orders: two timelines, nixl-first first, each with its own columns and first fail."""
+    from kvcompat.report.markdown import render_markdown
+    from kvcompat.report.model import Report
+
+    cells = [result(v, "2.13.0", Outcome.PASS, [("test_x", "passed", None)]) for v in ("0.28.0", "0.29.0", "0.30.0", "0.31.0")]
+    cells += [
+        result("0.30.0", "2.13.0", Outcome.TEST_FAIL, [("test_x", "failed", "hang")], order="offload-first"),
+        result("0.31.0", "2.13.0", Outcome.PASS, [("test_x", "passed", None)], order="offload-first"),
+    ]
+    rep = Report(cells, generated="now")
+    nixl, offload = rep.timelines()
+    assert (nixl.order, [c.release for c in nixl.columns]) == ("nixl-first", ["0.28.0", "0.29.0", "0.30.0", "0.31.0"])
+    assert (offload.order, [c.release for c in offload.columns]) == ("offload-first", ["0.30.0", "0.31.0"])
+    assert nixl.rows[0].first_fail is None and (offload.rows[0].first_fail, offload.rows[0].fixed_in) == (
+        "0.30.0",
+        "0.31.0",
+    )
+    md = render_markdown(rep)
+    assert md.index("### Children [NixlConnector, CPU offload]") < md.index("### Children [CPU offload, NixlConnector]")
+    assert "0.30.0 (offload-first)" in md  # the grid's row

@@ -140,3 +140,37 @@ def test_cell_process_exit_status_of_a_green_run_is_zero(pytester):
         "-p", "kvcompat.testkit.pytest_plugin", f"--kvcompat-json={pytester.path / 'o.json'}", "--kvcompat-cell-process"
     )
     assert result.ret == 0 and json.loads((pytester.path / "o.json").read_text())["tests"][0]["outcome"] == "passed"
+
+
+BLOCKED_SUITE = """
+from kvcompat.testkit import setup_owned_by
+
+def test_owner():
+    assert False, "register_kv_caches raised"
+
+def test_needs_the_owners_step():
+    with setup_owned_by("test_owner"):
+        raise AssertionError("All kv cache tensors must have the same number of blocks")
+    assert False, "never reached"
+
+def test_owner_step_fine_then_own_fail():
+    with setup_owned_by("test_owner"):
+        pass
+    assert False, "its own contract"
+"""
+
+
+def test_a_setup_step_owned_by_another_test_is_an_error_blocked_by_it(pytester):
+    """setup_owned_by: the failure is the owner's finding; this test is an error naming the owner, with
+    the exception; once the step passes, the test's own assertions count as usual."""
+    _, data = run(pytester, BLOCKED_SUITE)
+    got = {t["nodeid"].split("::")[1]: t for t in data["tests"]}
+    assert {k: (v["outcome"], v["blocked_by"]) for k, v in got.items()} == {
+        "test_owner": ("failed", None),
+        "test_needs_the_owners_step": ("error", "test_owner"),
+        "test_owner_step_fine_then_own_fail": ("failed", None),
+    }
+    msg = got["test_needs_the_owners_step"]["message"]
+    assert (
+        msg.startswith("setup step of test_owner failed: AssertionError: All kv cache tensors") and "never" not in msg
+    )

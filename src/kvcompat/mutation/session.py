@@ -266,7 +266,12 @@ def cell_label(cell: Cell) -> str:
 
 def _suite_run(ctx: CellContext, *extra: str) -> suites.SuiteRun:
     # RunOptions.pytest_args (the session's extra arguments) come after these, as in a matrix cell
-    return suites.SuiteRun(path=ctx.opts.suite, cwd=ctx.opts.repo, args=["-m", suites.suite_marker(ctx.cell), *extra])
+    return suites.SuiteRun(
+        path=ctx.opts.suite,
+        cwd=ctx.opts.repo,
+        args=["-m", suites.suite_marker(ctx.cell), *extra],
+        env=suites.suite_env(ctx.cell),
+    )
 
 
 def _baseline(ctx: CellContext, run: MutationRun) -> None:

@@ -44,8 +44,8 @@ def environment_pairs(rep: Report) -> list[EnvironmentPair]:
     pairs: dict[tuple, dict[str, GridCell]] = {}
     for gc in rep.cells:
         c = gc.result.cell
-        dist, torch, env, suite = gc.lane
-        pairs.setdefault((c["vllm"], dist, torch, suite, tuple(c.get("overrides", ()))), {})[env] = gc
+        dist, torch, env, suite, order = gc.lane
+        pairs.setdefault((c["vllm"], dist, torch, suite, order, tuple(c.get("overrides", ()))), {})[env] = gc
     out = []
     for envs in pairs.values():
         old, new = envs.get("as-released"), envs.get("today")

@@ -56,6 +56,14 @@ def timeline_summary(row: TimelineRow) -> tuple[str, str, str]:
     return first, row.last_pass or "never", fixed
 
 
+def render_timelines(timelines: list[Timeline]) -> list[str]:
+    """The timeline section: one timeline per order of MultiConnector's children, each under its title."""
+    out = ["## Timeline", ""]
+    for tl in timelines:
+        out += ([f"### {tl.title[0].upper()}{tl.title[1:]}", ""] if len(timelines) > 1 else []) + render_timeline(tl)
+    return out
+
+
 def render_timeline(tl: Timeline) -> list[str]:
     """Contracts down, releases across (oldest first); each column header says its torch and suites."""
     heads = []
@@ -63,9 +71,7 @@ def render_timeline(tl: Timeline) -> list[str]:
         extra = " · ".join([col.torch, *col.suites, *col.notes])
         heads.append(f"{col.release}<br><sub>{extra}</sub>")
     out = [
-        "## Timeline",
-        "",
-        f"{len(tl.rows)} contracts × {len(tl.columns)} releases, oldest first. "
+        f"{len(tl.rows)} contracts × {len(tl.columns)} releases, oldest first, {tl.title}. "
         "First fail, last pass and fixed in describe each contract's newest failing run; "
         "releases without a verdict (n/a, could not install or import) are stepped over and named.",
         "",
@@ -91,7 +97,7 @@ def render_markdown(rep: Report) -> str:
     totals = ", ".join(f"{n} {Outcome(k).label}" for k, n in rep.totals().items() if n)
     out += [f"Generated {rep.generated} from {len(rep.results)} cells: {totals}.", ""]
     if rep.is_history:  # many releases: the timeline leads, the grid (every cell, overrides too) follows
-        out += render_timeline(rep.timeline()) + ["## Grid", ""]
+        out += render_timelines(rep.timelines()) + ["## Grid", ""]
     out += ["| vLLM \\ torch | " + " | ".join(rep.columns) + " |", "|---|" + "---|" * len(rep.columns)]
     for row in rep.rows:
         cells = [(f"{MARK[gc.outcome]} {gc.text()}" if (gc := rep.at(row, col)) else "") for col in rep.columns]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
+from kvcompat.outcomes import CHILD_ORDERS, Outcome, TestOutcome, cell_outcome
 from kvcompat.results import CellResult, TestResult, UnreadableResult, count_tests, scan_results
 
 # A verdict against the release: unsupported (vLLM refused the user's configuration) is as red as a failure.
@@ -50,7 +50,13 @@ class GridCell:
         label = c["vllm"] if c["dist"] == "vllm" else f"{c['dist']} {c['vllm']}"
         label += " (wheel)" if c.get("wheel") else ""
         label += f" (override {' '.join(c['overrides'])})" if c.get("overrides") else ""
-        return label + (" (as released)" if c.get("env") == "as-released" else "")
+        label += " (as released)" if c.get("env") == "as-released" else ""
+        return label + (f" ({self.order})" if self.order != CHILD_ORDERS[0] else "")
+
+    @property
+    def order(self) -> str:
+        """MultiConnector's children in this cell: nixl-first (the default) or offload-first."""
+        return self.result.cell.get("order", CHILD_ORDERS[0])
 
     @property
     def torch_label(self) -> str:
@@ -69,7 +75,7 @@ class GridCell:
         """Cells comparable across releases: same dist, torch policy, environment, NIXL and suite."""
         c = self.result.cell
         torch = c["torch"] if c.get("torch_override") else "pinned"
-        return (c["dist"], torch, c.get("env", "today"), self.suite_label)
+        return (c["dist"], torch, c.get("env", "today"), self.suite_label, self.order)
 
     @property
     def key(self) -> str:
@@ -145,8 +151,10 @@ class Report:
         """Results from many releases (the history matrix): the timeline leads the report."""
         return len(self.releases) >= TIMELINE_MIN_RELEASES
 
-    def timeline(self) -> Timeline:
-        return build_timeline(self)
+    def timelines(self) -> list[Timeline]:
+        """One timeline per order of MultiConnector's children that ran (nixl-first, the default, first)."""
+        orders = {gc.order for gc in self.cells}
+        return [build_timeline(self, order) for order in CHILD_ORDERS if order in orders]
 
     @property
     def not_run(self) -> list[UnreadableResult]:
@@ -224,13 +232,13 @@ class Report:
         out = []
         for lane, cells in lanes.items():
             cells.sort(key=lambda gc: _version_key(gc.result.cell["vllm"]))
-            lane_name = " / ".join(x for x in lane if x not in ("vllm", "today"))  # the defaults go unsaid
+            lane_name = " / ".join(x for x in lane if x not in ("vllm", "today", CHILD_ORDERS[0]))  # defaults unsaid
             for test in sorted({t.nodeid for gc in cells for t in gc.tests}):
                 last_pass: str | None = None
                 open_ep: Episode | None = None
                 for gc in cells:
                     t = next((t for t in gc.tests if t.nodeid == test), None)
-                    if t is None or t.outcome is TestOutcome.NOT_APPLICABLE:
+                    if t is None or not t.has_verdict:
                         continue
                     version = gc.result.cell["vllm"]
                     if t.outcome in BAD_TESTS:
@@ -285,6 +293,13 @@ class Square:
     status: str  # one of SQUARE_STATUSES
     message: str  # why (the test's message, the cell's detail); "" for a pass
     cell: GridCell  # the drill-down this square opens
+    # a test error in a setup step another contract owns: no verdict on this row's own contract
+    blocked_by: str | None = None
+
+    @property
+    def is_verdict(self) -> bool:
+        """Whether the square breaks or fixes its row: a pass or a red of the row's own contract."""
+        return self.blocked_by is None and self.status in BAD_SQUARES + ("pass",)
 
 
 @dataclasses.dataclass
@@ -339,10 +354,21 @@ class TimelineRow:
         return self.first_fail is not None and self.fixed_in is None
 
 
+ORDER_TITLES = {
+    "nixl-first": "children [NixlConnector, CPU offload]",
+    "offload-first": "children [CPU offload, NixlConnector]",
+}
+
+
 @dataclasses.dataclass
 class Timeline:
     columns: list[TimelineColumn]
     rows: list[TimelineRow]
+    order: str = CHILD_ORDERS[0]  # MultiConnector's children in every column's cell
+
+    @property
+    def title(self) -> str:
+        return ORDER_TITLES[self.order]
 
     def counts(self) -> dict[str, int]:
         out = dict.fromkeys(SQUARE_STATUSES, 0)
@@ -358,7 +384,8 @@ def square_for(gc: GridCell, test: TestResult | None) -> Square:
     if outcome in NO_TEST_VERDICT:  # vLLM could not be put to the test: no test verdict stands
         return Square(outcome.label, gc.detail or gc.result.detail, gc)
     if test is not None:
-        return Square(_FROM_TEST[test.outcome], "" if test.outcome is TestOutcome.PASSED else test.message or "", gc)
+        message = "" if test.outcome is TestOutcome.PASSED else test.message or ""
+        return Square(_FROM_TEST[test.outcome], message, gc, test.blocked_by)
     if outcome is Outcome.TIMEOUT:
         return Square("timeout", gc.detail or gc.result.detail, gc)
     if not gc.tests:  # the suite collected nothing or crashed before any test
@@ -382,12 +409,15 @@ def _primary(cells: list[GridCell]) -> GridCell:
     return min(cells, key=plainness)
 
 
-def build_timeline(rep: Report) -> Timeline:
-    """Rows: every test of the releases' primary cells; columns: one per release, oldest first."""
+def build_timeline(rep: Report, order: str = CHILD_ORDERS[0]) -> Timeline:
+    """Rows: every test of the releases' primary cells with children in ``order``; columns: one per
+    release, oldest first.  Each order has a timeline of its own: first-wins makes them different
+    deployments, and a row's first fail must not come from the other order's cell."""
     by_release: dict[tuple, list[GridCell]] = defaultdict(list)
     for gc in rep.cells:
         c = gc.result.cell
-        by_release[(c["dist"], c["vllm"])].append(gc)
+        if gc.order == order:
+            by_release[(c["dist"], c["vllm"])].append(gc)
     columns: list[TimelineColumn] = []
     suites_of: dict[tuple, dict[str, GridCell]] = {}
     for key in sorted(by_release, key=lambda k: (_version_key(k[1]), k[0])):
@@ -411,7 +441,7 @@ def build_timeline(rep: Report) -> Timeline:
     names = [(r.suite, r.test.split("::", 1)[-1]) for r in rows]
     for row, name in zip(rows, names, strict=True):
         row.show_file = names.count(name) > 1
-    return Timeline(columns, rows)
+    return Timeline(columns, rows, order)
 
 
 def _summarise(row: TimelineRow, columns: list[TimelineColumn]) -> TimelineRow:
@@ -420,8 +450,10 @@ def _summarise(row: TimelineRow, columns: list[TimelineColumn]) -> TimelineRow:
     failing = False
     untested: list[str] = []  # releases without a verdict since the last one with a verdict
     for col, sq in zip(columns, row.squares, strict=True):
-        if sq is None or sq.status not in BAD_SQUARES + ("pass",):
-            untested.append(col.release)  # no verdict here: neither breaks nor fixes
+        if sq is None or not sq.is_verdict:
+            untested.append(
+                col.release
+            )  # no verdict here (n/a, blocked by another contract, …): neither breaks nor fixes
             continue
         if sq.status == "pass":
             if failing:

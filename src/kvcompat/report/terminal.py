@@ -62,7 +62,9 @@ def render_terminal(rep: Report, color: bool = False) -> str:
     if not rep.results:
         return "no results yet: run `nox -s matrix`"
     if rep.is_history:
-        return render_timeline(rep.timeline(), color) + "\n\n" + _grid(rep, color)
+        timelines = rep.timelines()
+        parts = [(f"{tl.title}:\n" if len(timelines) > 1 else "") + render_timeline(tl, color) for tl in timelines]
+        return "\n\n".join(parts) + "\n\n" + _grid(rep, color)
     return _grid(rep, color)
 
 

@@ -140,13 +140,23 @@ def _panel(rep: Report, gc: GridCell) -> str:
     return "".join(parts)
 
 
+def _timelines(timelines: list[Timeline]) -> str:
+    """The timeline section: one timeline per order of MultiConnector's children, each under its title."""
+    parts = ["<h2>Timeline</h2>"]
+    for tl in timelines:
+        if len(timelines) > 1:
+            parts.append(f"<h3>{escape(tl.title[0].upper() + tl.title[1:])}</h3>")
+        parts.append(_timeline(tl))
+    return "".join(parts)
+
+
 def _timeline(tl: Timeline) -> str:
     from kvcompat.report.markdown import timeline_summary
 
     cols = tl.columns
     head = [
-        '<h2>Timeline</h2><p class="small">'
-        f"{len(tl.rows)} contracts × {len(cols)} releases, oldest first; click a square for the cell. First fail, "
+        '<p class="small">'
+        f"{len(tl.rows)} contracts × {len(cols)} releases, oldest first, {escape(tl.title)}; click a square for the cell. First fail, "
         "last pass and fixed in describe each contract's newest failing run; releases without a verdict are "
         'stepped over and named.</p><div class="scroll"><table class="timeline"><thead>',
         '<tr><th class="rowhead">vLLM</th>' + "".join(f"<th>{escape(c.release)}</th>" for c in cols),
@@ -210,7 +220,7 @@ def render_html(rep: Report) -> str:
         + "</div>"
     )
     if rep.is_history:
-        body.append(_timeline(rep.timeline()))
+        body.append(_timelines(rep.timelines()))
     body.append(
         '<h2>Grid</h2><table class="grid"><tr><th>vLLM \\ torch</th>'
         + "".join(f"<th>{escape(c)}</th>" for c in rep.columns)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvcompat.cells import Cell
 from kvcompat.matrix import NIXL_FAKE
-from kvcompat.outcomes import Outcome, TestOutcome, cell_outcome
+from kvcompat.outcomes import CHILD_ORDER_ENV, Outcome, TestOutcome, cell_outcome
 from kvcompat.results import CellResult, TestResult, count_tests
 from kvcompat.run import record
 from kvcompat.run.context import CellContext
@@ -65,10 +65,17 @@ def suite_marker(cell: Cell) -> str:
     return marker if cell.runner == "gpu" else f"{marker} and not gpu"
 
 
+def suite_env(cell: Cell) -> dict[str, str]:
+    """What our suite reads from its environment: the order of MultiConnector's children."""
+    return {CHILD_ORDER_ENV: cell.order}
+
+
 def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
     """Where and how to run ``suite`` in this cell."""
     if suite == "ours":
-        return SuiteRun(path=ctx.opts.suite, cwd=ctx.opts.repo, args=["-m", suite_marker(ctx.cell)])
+        return SuiteRun(
+            path=ctx.opts.suite, cwd=ctx.opts.repo, args=["-m", suite_marker(ctx.cell)], env=suite_env(ctx.cell)
+        )
     if suite == "upstream":
         from kvcompat import upstream  # stdlib-only; fetches vLLM's sdist tests once per release
 

@@ -17,7 +17,7 @@ import contextlib
 import traceback
 from collections.abc import Iterator
 
-from kvcompat.outcomes import NOT_APPLICABLE_PREFIX, UNSUPPORTED_PREFIX
+from kvcompat.outcomes import BLOCKED_PREFIX, NOT_APPLICABLE_PREFIX, UNSUPPORTED_PREFIX
 
 
 def not_applicable(reason: str) -> None:
@@ -54,3 +54,25 @@ def user_configuration(what: str) -> Iterator[None]:
 
         # from None: the failure carries vLLM's error in one line, not the chain it came from
         raise pytest.fail.Exception(UNSUPPORTED_PREFIX + refused, pytrace=False) from None
+
+
+@contextlib.contextmanager
+def setup_owned_by(contract: str) -> Iterator[None]:
+    """A setup step whose contract another test owns: its failure is that test's finding, not this one's.
+
+    Inside the block, any exception makes this test an *error blocked by* ``contract`` (the
+    owning test's name), with the exception in the message.  The owner fails on its own
+    contract; the timeline and the bisect step over the blocked test, so a row's first fail is
+    its own.  Use it only around a step that the named test checks as its contract.
+    """
+    blocked = None
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - reported as blocked, with the exception
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" ({frames[-1].filename.split('/site-packages/', 1)[-1]}:{frames[-1].lineno})" if frames else ""
+        blocked = f"{type(exc).__name__}: {exc}{where}"
+    if blocked is not None:
+        import pytest
+
+        raise pytest.fail.Exception(f"{BLOCKED_PREFIX}{contract}\n{blocked}", pytrace=False) from None

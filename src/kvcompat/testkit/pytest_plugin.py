@@ -15,6 +15,8 @@ Outcome mapping (see :mod:`kvcompat.outcomes`):
 * call failed                                       -> failed
 * failed with ``unsupported(...)`` (vLLM refused the
   user's configuration)                             -> unsupported
+* failed inside ``setup_owned_by(contract)`` (a setup
+  step another test owns)                           -> error, blocked by that contract
 * setup/teardown failed, collection error           -> error
 * skipped with ``not_applicable(reason)``           -> not_applicable
 * any other skip, xfail or xpass                    -> error (a test may not hide)
@@ -31,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from kvcompat.atomic import write_atomic
-from kvcompat.outcomes import NOT_APPLICABLE_PREFIX, UNSUPPORTED_PREFIX, TestOutcome
+from kvcompat.outcomes import BLOCKED_PREFIX, NOT_APPLICABLE_PREFIX, UNSUPPORTED_PREFIX, TestOutcome
 
 MESSAGE_CHARS = 3000
 
@@ -114,6 +116,15 @@ def _unsupported(report: pytest.TestReport) -> str | None:
     return text.removeprefix(UNSUPPORTED_PREFIX)[:MESSAGE_CHARS] if text.startswith(UNSUPPORTED_PREFIX) else None
 
 
+def _blocked(report: pytest.TestReport) -> tuple[str, str] | None:
+    """(owning contract, message) when the test failed in a setup step another test owns."""
+    text = getattr(report, "longreprtext", "") or ""
+    if not text.startswith(BLOCKED_PREFIX):
+        return None
+    owner, _, message = text.removeprefix(BLOCKED_PREFIX).partition("\n")
+    return owner.strip(), message[:MESSAGE_CHARS]
+
+
 def _skip_reason(report: pytest.TestReport) -> str:
     if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
         return str(report.longrepr[2]).removeprefix("Skipped: ")
@@ -128,9 +139,24 @@ class ResultCollector:
         self.collected = 0
         self.deselected: list[str] = []
 
-    def _record(self, nodeid: str, outcome: TestOutcome | None, message: str | None, duration: float) -> None:
+    def _record(
+        self,
+        nodeid: str,
+        outcome: TestOutcome | None,
+        message: str | None,
+        duration: float,
+        blocked_by: str | None = None,
+    ) -> None:
         entry = self.tests.setdefault(
-            nodeid, {"nodeid": nodeid, "outcome": None, "duration": 0.0, "message": None, "suite": self.suite}
+            nodeid,
+            {
+                "nodeid": nodeid,
+                "outcome": None,
+                "duration": 0.0,
+                "message": None,
+                "suite": self.suite,
+                "blocked_by": None,
+            },
         )
         entry["duration"] += duration
         # A later phase can only make a test worse (teardown error after a pass), never better.
@@ -144,6 +170,7 @@ class ResultCollector:
         }
         if rank[outcome] >= rank[entry["outcome"]]:
             entry["outcome"] = outcome
+            entry["blocked_by"] = blocked_by
             if message is not None:
                 entry["message"] = message
 
@@ -172,6 +199,9 @@ class ResultCollector:
                 self._record(report.nodeid, TestOutcome.ERROR, f"skipped without a capability probe: {reason}", d)
         elif report.failed and report.when == "call" and (refused := _unsupported(report)) is not None:
             self._record(report.nodeid, TestOutcome.UNSUPPORTED, refused, d)
+        elif report.failed and (blocked := _blocked(report)) is not None:
+            owner, message = blocked
+            self._record(report.nodeid, TestOutcome.ERROR, f"setup step of {owner} failed: {message}", d, owner)
         elif report.failed:
             outcome = TestOutcome.FAILED if report.when == "call" else TestOutcome.ERROR
             self._record(report.nodeid, outcome, f"[{report.when}] " + _message(report), d)
