@@ -1,13 +1,22 @@
-"""In-cell connector tests: MultiConnector([NixlConnector, CPU offload]).
+"""In-cell connector tests: MultiConnector with a NixlConnector and a CPU-offload child.
 
-This folder runs inside every matrix cell, in one pytest process, with the
-cell's vLLM installed.  vLLM is imported once per session (lazily, from the
-fixtures below); test modules import only kvcompat at module level.
+This folder runs inside every matrix cell, in one pytest process, with the cell's vLLM installed.
+vLLM is imported once per session (lazily, from the fixtures below); test modules import only
+kvcompat at module level.
 
-Construction differences between releases live in kvcompat.testkit.adapter.
-Whether the pair of connectors exists at all is decided by explicit probes of
-the installed distribution (kvcompat.testkit.probes); a release without them makes every
-test here not-applicable.
+An :class:`Engine` is what an engine core holds, on vLLM's CpuPlatform: the release's Scheduler (with
+the scheduler-role MultiConnector it builds) and one worker rank per TP rank (the worker-role
+MultiConnector the release's factory builds, with its real children and registered CPU KV caches).
+Each step runs the worker half through the release's own model-runner code (kvcompat.testkit.adapter
+.worker) and feeds what it returns to ``update_from_output``.  Only transports are replaced: NIXL by
+kvcompat.testkit.fake_nixl (real NIXL in real-NIXL cells), SimpleCPUOffload's CUDA copies by
+kvcompat.testkit.cuda_transport.  Up to 0.18 the CPU-offload child is OffloadingConnector, whose
+worker's transfers are scripted (kvcompat.testkit.adapter.offload_script).
+
+The children's order is the cell's (``order`` in the matrix, KVCOMPAT_CHILD_ORDER here).
+Construction differences between releases live in kvcompat.testkit.adapter.  Whether the pair of
+connectors exists at all is decided by explicit probes of the installed distribution
+(kvcompat.testkit.probes); a release without them makes every test here not-applicable.
 """
 
 from __future__ import annotations
@@ -15,13 +24,14 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import not_applicable, probes
+from kvcompat.testkit import not_applicable, probes, setup_owned_by
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,12 +48,25 @@ if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
 
 BLOCK = va.BLOCK_SIZE
 NUM_GPU_BLOCKS = 64
+# The contract that owns "the worker side comes up": building the worker-role connectors and
+# registering the KV caches with every child (test_multi_worker.py).  Every engine needs it.
+WORKER_UP = "test_register_kv_caches_reaches_every_child"
+# The contract that owns the Nixl handshake through MultiConnector (test_multi_lifecycle.py): every
+# prefill/decode pair needs it.
+HANDSHAKE = "test_nixl_handshake_metadata_comes_out_and_goes_to_every_child"
+P_ENGINE = "kvcompat-prefill"
+D_ENGINE = "kvcompat-decode"
+MAX_IDLE_STEPS = 60  # what an engine may take to drain once its requests are done
+# Between two steps an engine core returns outputs and reads input; the CPU-offload worker's copy
+# thread runs meanwhile (EngineCore's loop also sleeps 1 ms when a step ran nothing).  Without the
+# pause this process would hold the GIL from one step to the next and starve that thread.
+STEP_GAP_S = 0.001
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "gpu: needs a CUDA device (the CPU-offload child's worker); run only on GPU cells",
+        "gpu: needs a CUDA device; run only on GPU cells",
     )
     config.addinivalue_line(
         "markers",
@@ -72,6 +95,9 @@ def release() -> dict[str, Any]:
         "version": probes.vllm_version(),
         "platform": how,
         "offload_child": va.offload_child_name(),
+        "order": va.child_order(),
+        "offload_worker": va.offload_worker_kind(),
+        "model_runner": va.model_runner(),
     }
 
 
@@ -85,54 +111,88 @@ def token_ids(n: int, start: int = 10) -> list[int]:
     return [start + (i % 400) for i in range(n)]
 
 
-@dataclass
+@dataclass(repr=False)  # a failing test's message shows the engine: not all of its state
 class Engine:
-    """A real Scheduler with the MultiConnector it built, plus a step driver."""
+    """What an engine core holds: the release's Scheduler with the MultiConnector it built, and one
+    worker rank per TP rank; :meth:`step` is one engine step, worker half included."""
 
     scheduler: Any
     vllm_config: Any
     kv_cache_config: Any
-    emulator: va.OffloadWorkerEmulator
+    ranks: list[va.WorkerRank]
+    order: str
+    aggregator: Any = None  # the release's KVOutputAggregator, when there is more than one rank
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     metas: list[Any] = field(default_factory=list)
     sched_outputs: list[Any] = field(default_factory=list)
-    worker_results: list[va.WorkerStepResult] = field(default_factory=list)
+    kv_outputs: list[Any] = field(default_factory=list)  # what the scheduler got from the workers, per step
 
     @property
     def multi(self) -> Any:
         return self.scheduler.connector
 
     @property
+    def nixl_index(self) -> int:
+        return va.child_index("nixl", self.order)
+
+    @property
+    def offload_index(self) -> int:
+        return va.child_index("offload", self.order)
+
+    @property
     def nixl(self) -> Any:
-        return self.multi._connectors[0]
+        return self.multi._connectors[self.nixl_index]
 
     @property
     def offload(self) -> Any:
-        return self.multi._connectors[1]
+        return self.multi._connectors[self.offload_index]
 
-    def step(self, report_offload: bool = True, nixl_worker: Any = None) -> Any:
-        """schedule() + update_from_output() with one sampled token per scheduled
-        request; the offload child's transfers issued in the step are reported
-        complete (OffloadWorkerEmulator) unless ``report_offload`` is False.
+    @property
+    def worker(self) -> Any:
+        """Rank 0's worker-role MultiConnector."""
+        return self.ranks[0].connector
 
-        With ``nixl_worker`` (a WORKER-role Nixl child), that worker runs the
-        step on the Nixl entry of the step's MultiKVConnectorMetadata, and what
-        it reports (finished sends/receives, failures, worker metadata) goes
-        back to the scheduler with the step's output; each report is kept in
-        ``worker_results``."""
+    def nixl_meta(self, so: Any) -> Any:
+        return so.kv_connector_metadata.metadata[self.nixl_index]
+
+    def offload_meta(self, so: Any) -> Any:
+        return so.kv_connector_metadata.metadata[self.offload_index]
+
+    def step(self) -> Any:
+        """One engine step: schedule(); every rank runs the worker half of it (the release's
+        model-runner sequence around a forward pass that writes KV); their outputs, aggregated by
+        the release's KVOutputAggregator when there are several, go to update_from_output()."""
         so = self.scheduler.schedule()
         self.sched_outputs.append(so)
         self.metas.append(so.kv_connector_metadata)
-        kvo = self.emulator.step(so) if report_offload else None
-        if nixl_worker is not None:
-            res = va.run_worker_step(nixl_worker, so.kv_connector_metadata.metadata[0], set(so.finished_req_ids))
-            self.worker_results.append(res)
-            kvo = va.merge_child_worker_output(kvo, res, n_children=2, child_index=0)
-        result = self.scheduler.update_from_output(so, va.make_model_runner_output(so, kvo))
+        forward = va.Forward(self.scheduler, so, self.kv_cache_config)
+        kv_outs = [r.execute(so, lambda rank: va.forward_layers(rank, forward.write_kv)) for r in self.ranks]
+        runner_outs = [va.make_model_runner_output(so, kvo) for kvo in kv_outs]
+        out = runner_outs[0] if self.aggregator is None else self.aggregator.aggregate(runner_outs, 0)
+        self.kv_outputs.append(out.kv_connector_output)
+        result = self.scheduler.update_from_output(so, out)
         for eco in (result or {}).values():
             for o in eco.outputs:
                 self.outputs.setdefault(o.request_id, []).append(o)
+        time.sleep(STEP_GAP_S)
         return so
+
+    def run(self, req_ids: list[str], max_steps: int = 60) -> None:
+        """Step until every request in ``req_ids`` has finished (fails after ``max_steps``)."""
+        for _ in range(max_steps):
+            if all(self.finished_output(r) is not None for r in req_ids):
+                return
+            self.step()
+        missing = [r for r in req_ids if self.finished_output(r) is None]
+        raise AssertionError(f"requests {missing} did not finish in {max_steps} steps")
+
+    def run_until_idle(self, max_steps: int = MAX_IDLE_STEPS) -> int:
+        """Step while the scheduler says it has work, as EngineCore's loop does; return the steps taken."""
+        for n in range(max_steps):
+            if not self.scheduler.has_requests():
+                return n
+            self.step()
+        raise AssertionError(f"the engine still had work after {max_steps} idle steps")
 
     def finished_output(self, req_id: str) -> Any:
         for o in self.outputs.get(req_id, []):
@@ -140,33 +200,25 @@ class Engine:
                 return o
         return None
 
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
-@pytest.fixture
-def make_engine(release, tiny_model_dir):
-    def _make(
-        *,
-        num_blocks: int = NUM_GPU_BLOCKS,
-        sliding_window: int | None = None,
-        disable_hybrid_kv_cache_manager: bool | None = None,
-        kv_transfer_config: Any = None,
-    ) -> Engine:
-        cfg = va.make_vllm_config(
-            tiny_model_dir,
-            block_size=BLOCK,
-            num_gpu_blocks=num_blocks,
-            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
-            kv_transfer_config=kv_transfer_config,
+    def shutdown(self) -> None:
+        """What EngineCore's shutdown does: the workers' connectors, then the scheduler's."""
+        for r in self.ranks:
+            r.shutdown()
+        self.scheduler.shutdown()
+
+    def prefill(self, req_id: str, prompt: list[int]) -> dict[str, Any]:
+        """vLLM's P/D proxy protocol, prefill side: the request with ``max_tokens=1`` and
+        ``do_remote_decode``; returns the kv_transfer_params it finished with (for the decode side)."""
+        self.scheduler.add_request(
+            va.make_request(req_id, prompt, max_tokens=1, kv_transfer_params=va.remote_decode_params())
         )
-        kvc = va.make_kv_cache_config(num_blocks, block_size=BLOCK, sliding_window=sliding_window)
-        sched = va.make_scheduler(cfg, kvc)
-        return Engine(sched, cfg, kvc, va.OffloadWorkerEmulator(n_children=2, child_index=1))
-
-    return _make
-
-
-@pytest.fixture
-def engine(make_engine) -> Engine:
-    return make_engine()
+        self.run([req_id])
+        params = self.finished_output(req_id).kv_transfer_params
+        assert params is not None, "the prefill side's MultiConnector returned no kv_transfer_params"
+        return dict(params)
 
 
 @pytest.fixture(scope="session")
@@ -191,26 +243,10 @@ def single_rank_distributed(release, tiny_model_dir):
     yield
 
 
-def build_worker(engine, build):
-    """Build a WORKER-role connector for ``engine`` with ``build(cfg, role, kv_cache_config)``.
-
-    The KV-cache layout is resolved as EngineCore does first; CPU affinity is restored
-    afterwards, since Nixl's CPU path pins the process to one core.
-    """
-    from vllm.config import set_current_vllm_config
-
-    cfg, kvc = engine.vllm_config, engine.kv_cache_config
-    va.resolve_kv_cache_layout(cfg, kvc)
-    affinity = os.sched_getaffinity(0)
-    try:
-        with set_current_vllm_config(cfg):
-            return build(cfg, va.kv_connector_role().WORKER, kvc)
-    finally:
-        os.sched_setaffinity(0, affinity)
-
-
 @pytest.fixture
-def fake_nixl(monkeypatch, release):
+def nixl_agent(monkeypatch, release):
+    """The NIXL agent class the Nixl worker gets: the fake one, patched at the release's target.
+    (test_real_nixl.py overrides this fixture with the real library.)"""
     module, attr = va.nixl_wrapper_target()
     mod = importlib.import_module(module)
     assert hasattr(mod, attr), f"{module} has no {attr} to patch"
@@ -218,14 +254,120 @@ def fake_nixl(monkeypatch, release):
     FakeNixlWrapper.reset()
     yield FakeNixlWrapper
     FakeNixlWrapper.reset()
+    FakeNixlWrapper.polls_until_done = 1
 
 
 @pytest.fixture
-def worker_multi(make_engine, fake_nixl, single_rank_distributed):
-    """A WORKER-role MultiConnector built by the release's factory, on CPU."""
-    engine = make_engine(num_blocks=16)
-    affinity = os.sched_getaffinity(0)
-    multi = build_worker(engine, va.create_connector)
-    yield engine, multi
-    multi.shutdown()
-    os.sched_setaffinity(0, affinity)
+def transport(release):
+    """What moves the CPU-offload child's blocks, fresh for each test: the stand-in of its CUDA
+    transport (kvcompat.testkit.cuda_transport), or up to 0.18 the scripted transfers."""
+    transfers = va.offload_transfers()
+    yield transfers
+    transfers.release()
+
+
+@pytest.fixture
+def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, transport):
+    """Build engines as EngineCore does: workers first (their KV caches registered, the
+    SimpleCPUOffload block count asked where the release asks it), then the scheduler."""
+    engines: list[Engine] = []
+
+    def _make(
+        *,
+        num_blocks: int = NUM_GPU_BLOCKS,
+        sliding_window: int | None = None,
+        disable_hybrid_kv_cache_manager: bool | None = None,
+        kv_transfer_config: Any = None,
+        tensor_parallel_size: int = 1,
+        order: str | None = None,
+        engine_id: str = "kvcompat-engine",
+    ) -> Engine:
+        order = order or va.child_order()
+        if kv_transfer_config is None:
+            kv_transfer_config = va.multi_kv_transfer_config(
+                BLOCK, num_blocks, engine_id, order=order, world_size=tensor_parallel_size
+            )
+        cfg = va.make_vllm_config(
+            tiny_model_dir,
+            block_size=BLOCK,
+            num_gpu_blocks=num_blocks,
+            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
+            kv_transfer_config=kv_transfer_config,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        kvc = va.make_kv_cache_config(num_blocks, block_size=BLOCK, sliding_window=sliding_window)
+        ranks: list[va.WorkerRank] = []
+        with setup_owned_by(WORKER_UP):
+            for r in range(tensor_parallel_size):
+                ranks.append(va.build_rank(cfg, kvc, r))
+                va.prepare_offload_worker(ranks[-1], transport)
+                ranks[-1].register()
+            va.report_offload_blocks(cfg, ranks)
+        engine = Engine(va.make_scheduler(cfg, kvc), cfg, kvc, ranks, order)
+        if tensor_parallel_size > 1:
+            engine.aggregator = va.aggregator(engine.multi, tensor_parallel_size)
+        engines.append(engine)
+        return engine
+
+    yield _make
+    for e in engines:
+        e.shutdown()
+
+
+@pytest.fixture
+def engine(make_engine) -> Engine:
+    return make_engine()
+
+
+@pytest.fixture
+def pd(make_engine) -> tuple[Engine, Engine]:
+    """A prefill engine P and a decode engine D on this host, each MultiConnector(Nixl + CPU offload)
+    with its own engine id; P serves the Nixl handshake as EngineCore sets it up (the workers' handshake
+    metadata, through MultiConnector, to the scheduler's MultiConnector, which starts Nixl's listener)."""
+    p = make_engine(engine_id=P_ENGINE)
+    with setup_owned_by(HANDSHAKE):
+        va.serve_nixl_handshake(p.multi, p.worker)
+    return p, make_engine(engine_id=D_ENGINE)
+
+
+def pd_read_is_byte_exact(p: Engine, d: Engine, rid: str, prompt: list[int]) -> str:
+    """vLLM's P/D proxy protocol through both engines, checked end to end: P prefills (max_tokens=1,
+    do_remote_decode) and holds the blocks; D, given P's kv_transfer_params, waits for the remote KV
+    while its Nixl worker reads P's blocks over NIXL; D's blocks then hold exactly the KV P's forward
+    pass wrote, D computes the rest and finishes, and P frees its blocks once D has read them.
+    Returns a line saying what was compared."""
+    from vllm.v1.request import RequestStatus
+
+    params = p.prefill(rid, prompt)
+    p_blocks = va.group_block_ids(params["remote_block_ids"])
+    assert rid in p.scheduler.requests, "P freed the blocks before the remote read"
+    d.scheduler.add_request(va.make_request(rid, prompt, max_tokens=2, kv_transfer_params=params))
+    d.step()
+    req = d.scheduler.requests[rid]
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, req.status
+    d_blocks = va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids(rid))
+    full = len(prompt) // BLOCK
+    for _ in range(400):  # the read runs over loopback: up to a few seconds on a loaded machine
+        d.step()
+        p.step()
+        if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            break
+    assert req.status != RequestStatus.WAITING_FOR_REMOTE_KVS, "D's read of P's blocks never finished"
+    compared = 0
+    for rank in d.ranks:
+        for layer, cache in rank.kv_caches.items():
+            for j, block_id in enumerate(d_blocks[:full]):
+                want = va.expected_block(cache, layer, prompt[: (j + 1) * BLOCK])
+                assert va.same_bytes(va.kv_cache_block(cache, block_id), want), (
+                    f"D's block {block_id} (prompt block {j}, {layer}) does not hold the KV P computed "
+                    f"in its block {p_blocks[j]}"
+                )
+                compared += 1
+    d.run([rid])
+    p.run_until_idle()
+    for _ in range(100):
+        if rid not in p.scheduler.requests:
+            break
+        p.step()
+    assert rid not in p.scheduler.requests, "P kept the blocks after D had read them"
+    return f"P/D read: {full} blocks x {compared // max(full, 1)} layer views compared byte for byte: equal"

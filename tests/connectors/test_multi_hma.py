@@ -1,8 +1,10 @@
 """HMA (hybrid KV-cache manager) support of MultiConnector given its children.
 
-Contract (notes §HMA, drift item 8): MultiConnector supports HMA only if all
-its children do.  Releases whose MultiConnector has no HMA support at all (no
-``request_finished_all_groups``, before 0.21) are not applicable.
+Contract (notes §HMA, drift item 8): MultiConnector supports HMA exactly when all its children do.
+The scenario is "a hybrid model served by MultiConnector whose children all support HMA": it cannot
+arise in a release where a child of the pair does not implement SupportsHMA (Nixl before 0.18,
+OffloadingConnector before 0.21), and only there are these tests not applicable.  A release whose
+children all support HMA but which switches the hybrid KV-cache manager off, or refuses it, fails.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from kvcompat.testkit import not_applicable, user_configuration
 from conftest import BLOCK, token_ids
 
 
-def _require_multi_hma() -> None:
+def _require_children_hma(vllm_config) -> None:
+    """Probe the classes MultiConnector builds its children from: do they all implement SupportsHMA?"""
     MultiConnector, _ = va.multi_classes()
-    if not hasattr(MultiConnector, "request_finished_all_groups"):
-        not_applicable("MultiConnector has no request_finished_all_groups (no HMA support) in this release")
+    kids = MultiConnector._get_connector_classes_and_configs(vllm_config)
+    lacking = [cls.__name__ for cls, _ in kids if not va.supports_hma(cls)]
+    if lacking:
+        not_applicable(f"{', '.join(lacking)} does not implement SupportsHMA in this release")
 
 
 def _children_hma(multi: Any) -> list[bool]:
@@ -54,14 +59,13 @@ def test_hma_reporting_full_attention(make_engine, tmp_path):
     when both are SupportsHMA, False for [Nixl, a non-HMA child]; the release
     never leaves HMA on for a MultiConnector whose children do not all
     support it."""
-    _require_multi_hma()
     MultiConnector, _ = va.multi_classes()
 
     engine = make_engine()
+    _require_children_hma(engine.vllm_config)
     children = _children_hma(engine.multi)
-    assert va.supports_hma(engine.multi) is True  # the class implements SupportsHMA
-    if va.hma_enabled(engine.vllm_config):
-        assert all(children), f"HMA left on although children support it as {children}"
+    assert all(children), f"children HMA support: {children}"
+    assert va.supports_hma(engine.multi) is True, "MultiConnector does not implement SupportsHMA, all its children do"
     if hasattr(MultiConnector, "all_children_support_hma"):
         assert MultiConnector.all_children_support_hma(engine.vllm_config.kv_transfer_config) == all(children)
 
@@ -81,11 +85,8 @@ def test_hma_sliding_window_group_forwarded_to_all_children(make_engine):
     MultiConnector (whose children all support HMA) is accepted, and a
     prefill-side request's finish goes through request_finished_all_groups:
     Nixl's transfer params name the request's blocks of *both* groups."""
-    _require_multi_hma()
-
     probe = make_engine()
-    children = _children_hma(probe.multi)
-    assert all(children), f"children HMA support: {children}"
+    _require_children_hma(probe.vllm_config)
 
     # What a user deploys: a sliding-window model with HMA on.  A release that refuses it
     # although every child supports HMA is ``unsupported``, with vLLM's error.
@@ -107,3 +108,18 @@ def test_hma_sliding_window_group_forwarded_to_all_children(make_engine):
     assert len(rbi) == 2, f"remote_block_ids should have one entry per KV-cache group: {rbi}"
     assert [list(g) for g in rbi] == held
     assert "hma-prefill" not in engine.multi._requests_to_connector
+
+
+def test_hybrid_model_keeps_the_hybrid_kv_cache_manager(make_engine):
+    """A user who serves a hybrid model (full attention + sliding window) through MultiConnector
+    whose children all support HMA, leaving the release's default, keeps the hybrid KV-cache manager
+    (and its sliding-window memory savings).  A release that switches it off for this deployment
+    fails this test; it is never not applicable."""
+    probe = make_engine()
+    _require_children_hma(probe.vllm_config)
+    with user_configuration("a hybrid model with MultiConnector(Nixl, CPU offload), the release's HMA default"):
+        engine = make_engine(sliding_window=4 * BLOCK)
+    assert va.hma_enabled(engine.vllm_config), (
+        "the release switched the hybrid KV-cache manager off although every child supports HMA "
+        f"(scheduler_config.disable_hybrid_kv_cache_manager={engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager})"
+    )

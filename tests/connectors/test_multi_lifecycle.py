@@ -1,12 +1,12 @@
 """A request's whole life through MultiConnector([NixlConnector, CPU offload]): its lifecycle contracts.
 
-Each test names one contract a P/D deployment relies on.  The scheduler side is
-the release's real Scheduler and the MultiConnector it built; the worker side is
-a WORKER-role MultiConnector from the release's factory (fake NIXL).  Where a
-child's answer cannot come from the real child on CPU (the CPU-offload worker
-needs CUDA), it is scripted in the release's own protocol
-(kvcompat.testkit.adapter.children): the contract under test is how
-MultiConnector forwards to and combines its children, never the child itself.
+Each test names one contract a P/D deployment relies on.  The scheduler side is the release's
+real Scheduler and the MultiConnector it built; the worker side is the engine's worker-role
+MultiConnector from the release's factory, run every step (see conftest).  Where a test needs a
+child to give an answer its real run would not give here (a load error, a failed receive, a second
+async saver), that one answer is scripted in the release's own protocol
+(kvcompat.testkit.adapter.children): the contract under test is how MultiConnector forwards to and
+combines its children, never the child itself.
 """
 
 from __future__ import annotations
@@ -39,7 +39,14 @@ def _held(engine, req_id: str) -> bool:
 
 
 def _free_blocks(engine) -> int:
-    return engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    return engine.free_blocks()
+
+
+def _stored_prefix(engine, prompt, req_id: str) -> None:
+    """Run a request to its end, the engine drained: its full blocks are in the CPU tier."""
+    engine.scheduler.add_request(va.make_request(req_id, prompt, max_tokens=2))
+    engine.run([req_id])
+    engine.run_until_idle()
 
 
 # ---------------------------------------------------------------------------
@@ -58,7 +65,7 @@ def test_two_async_savers_are_counted_and_sent_to_the_worker(engine, monkeypatch
     engine.step()
     assert engine.finished_output("two-savers") is not None, "request did not finish"
     assert _held(engine, "two-savers"), "blocks freed although two children save asynchronously"
-    engine.step(report_offload=False)  # no completions yet: what the worker says is the next test's
+    engine.step()  # when the worker reports the sends done is the next test's
     extra = [m.extra_async_saves for m in engine.metas if getattr(m, "extra_async_saves", None)]
     assert extra == [{"two-savers": 1}], f"extra async saves sent to the worker: {extra}"
     assert "two-savers" not in engine.multi._extra_async_saves, "the count stayed on the scheduler side"
@@ -66,43 +73,36 @@ def test_two_async_savers_are_counted_and_sent_to_the_worker(engine, monkeypatch
 
 
 @pytest.mark.parametrize("first", ["nixl", "offload"])
-def test_finished_sending_once_after_both_savers_then_blocks_freed_once(engine, worker_multi, monkeypatch, first):
-    """The worker reports a request with two async savers in finished_sending exactly
-    once, only after both children finished sending (in either order); fed that
-    report, the scheduler frees the request's blocks exactly once, and not before."""
-    _, multi = worker_multi
+def test_finished_sending_once_after_both_savers_then_blocks_freed_once(engine, monkeypatch, first):
+    """The worker reports a request with two async savers in finished_sending exactly once, only after
+    both children finished sending (in either order); fed that report, the scheduler frees the
+    request's blocks exactly once, and not before."""
     _also_saves_async(monkeypatch, engine.offload)
     free_before = _free_blocks(engine)
     req_id = f"savers-{first}"
     req = va.make_request(req_id, token_ids(3 * BLOCK + 5), max_tokens=1, kv_transfer_params=va.remote_decode_params())
     engine.scheduler.add_request(req)
     engine.step()
-    engine.emulator.deferring = True  # the children's completions come from the worker side below
-    so = engine.step()
-    meta = so.kv_connector_metadata
-    assert getattr(meta, "extra_async_saves", None) == {req_id: 1}
-
-    order = [0, 1] if first == "nixl" else [1, 0]
-    for i, child in enumerate(multi._connectors):
+    assert engine.finished_output(req_id) is not None, "request did not finish"
+    # From the next step on, the worker's children report the request's send done, one per round.
+    index = {"nixl": engine.nixl_index, "offload": engine.offload_index}
+    order = [index[first], 1 - index[first]]
+    for i, child in enumerate(engine.worker._connectors):
         done_at = order.index(i)
-        ch.script_completions(monkeypatch, child, [({req_id} if r == done_at else set(), set()) for r in range(3)])
-    multi.bind_connector_metadata(meta)
+        rounds = [({req_id} if r == done_at else set(), set()) for r in range(3)]
+        ch.script_completions(monkeypatch, child, rounds, add_to_real=True)
     reported = []
     for _ in range(3):
-        sending, _ = ch.finished_of(multi, set())
-        reported.append(sending)
-        if _held(engine, req_id):
-            kvo = va.make_kv_connector_output(finished_sending=sending or None)
-            so = engine.scheduler.schedule()
-            engine.scheduler.update_from_output(so, va.make_model_runner_output(so, kvo))
+        engine.step()
+        sending = set(getattr(engine.kv_outputs[-1], "finished_sending", None) or ())
+        reported.append(sending & {req_id})
         if not any(reported):
             assert _held(engine, req_id), "blocks freed before every saver finished"
-    # (no clear_connector_metadata: the CPU-offload child's worker has no copy backend on CPU,
-    # and from 0.30 its clear asserts one, simple_kv_offload/worker.py L291)
+    assert getattr(engine.metas[1], "extra_async_saves", None) == {req_id: 1}, (
+        "the worker never learnt of the second saver"
+    )
     assert reported == [set(), {req_id}, set()], f"finished_sending per round: {reported}"
-    engine.emulator.delivered_elsewhere({req_id})
-    engine.emulator.deferring = False
-    engine.step()  # the CPU-offload child's stores complete, releasing its pins
+    engine.run_until_idle()
     assert not _held(engine, req_id), "blocks never freed"
     assert _free_blocks(engine) == free_before, "blocks leaked or freed twice"
 
@@ -111,10 +111,10 @@ def test_finished_sending_once_after_both_savers_then_blocks_freed_once(engine, 
 # 2. load failure recovery
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("failing", [0, 1])
-def test_load_errors_of_either_child_reach_the_scheduler(worker_multi, monkeypatch, failing):
+def test_load_errors_of_either_child_reach_the_scheduler(engine, monkeypatch, failing):
     """Block ids a child failed to load (get_block_ids_with_load_errors) reach the
     scheduler through MultiConnector, whichever child failed, together with the other's."""
-    _, multi = worker_multi
+    multi = engine.worker
     if not ch.multi_overrides("get_block_ids_with_load_errors") and not hasattr(
         ch.base_class(), "get_block_ids_with_load_errors"
     ):
@@ -126,11 +126,11 @@ def test_load_errors_of_either_child_reach_the_scheduler(worker_multi, monkeypat
     assert multi.get_block_ids_with_load_errors() == errors[failing]
 
 
-def test_failed_receives_of_either_child_come_out_of_the_worker(worker_multi, monkeypatch):
+def test_failed_receives_of_either_child_come_out_of_the_worker(engine, monkeypatch):
     """A child's failed receive (failed_recving: a load that will never complete) comes out
     of the worker-side MultiConnector's transfer results, so the scheduler can recompute the
     request instead of waiting on it forever."""
-    _, multi = worker_multi
+    multi = engine.worker
     if ch.completion_hook() != "get_transfer_results":
         not_applicable("this release's connectors report no failed receives (get_finished only)")
     import importlib
@@ -145,35 +145,50 @@ def test_failed_receives_of_either_child_come_out_of_the_worker(worker_multi, mo
     assert {"lost-0", "lost-1"} <= results.finished_recving
 
 
-def test_failed_load_tokens_are_recomputed_not_counted(engine):
-    """A load from the CPU-offload child whose block failed (invalid_block_ids in the
-    worker's output) does not count that block's tokens as computed: the request is
-    recomputed from the failed block on, as the release does it, and finishes."""
+def test_failed_load_tokens_are_recomputed_not_counted(engine, monkeypatch):
+    """A load from the CPU-offload child whose block failed (the child's worker names it in
+    get_block_ids_with_load_errors when the load completes) does not count that block's tokens as
+    computed: the request is recomputed from the failed block on, or ends in error, as the release's
+    load-failure policy says, and its blocks are returned."""
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import RequestStatus
 
     if "invalid_block_ids" not in va.capabilities._field_names(KVConnectorOutput):
         not_applicable("this release's KVConnectorOutput has no invalid_block_ids (no load-failure recovery)")
     prompt = token_ids(3 * BLOCK + 5)
-    engine.scheduler.add_request(va.make_request("fail-src", prompt, max_tokens=2))
-    for _ in range(5):
-        engine.step()
+    _stored_prefix(engine, prompt, "fail-src")
     assert engine.scheduler.reset_prefix_cache()
+    # The offload child's worker: its load of fail-dst completes, and block 1 of it failed.
+    child = engine.worker._connectors[engine.offload_index]
+    hook = ch.completion_hook()
+    failed: set[int] = set()
+    real_hook = getattr(child, hook)
+
+    def completions(*args):
+        answer = real_hook(*args)
+        recving = answer.finished_recving if hook == "get_transfer_results" else answer[1]
+        if "fail-dst" in set(recving or ()) and not failed:
+            failed.add(va.group_block_ids(engine.scheduler.kv_cache_manager.get_block_ids("fail-dst"))[1])
+            errors.append(set(failed))
+        return answer
+
+    errors: list[set[int]] = []
+    ch.spy(monkeypatch, child, hook, completions)
+    ch.spy(monkeypatch, child, "get_block_ids_with_load_errors", lambda: errors.pop() if errors else set())
     req = va.make_request("fail-dst", prompt, max_tokens=2)
     engine.scheduler.add_request(req)
-    so = engine.scheduler.schedule()
-    assert engine.multi._requests_to_connector.get("fail-dst") == 1, "the CPU-offload child did not take the load"
-    blocks = [list(g) for g in engine.scheduler.kv_cache_manager.get_block_ids("fail-dst")][0]
-    offload_meta = so.kv_connector_metadata.metadata[1]
-    if "load_event_to_reqs" in va.capabilities._field_names(type(offload_meta)):
-        recving = set(offload_meta.load_event_to_reqs.get(offload_meta.load_event, []))
-    else:
-        recving = set(va.offload_load_work(offload_meta))
-    kvo = va.make_kv_connector_output(finished_recving=recving or {"fail-dst"}, invalid_block_ids={blocks[1]})
-    engine.scheduler.update_from_output(so, va.make_model_runner_output(so, kvo))
+    engine.step()
+    assert engine.multi._requests_to_connector.get("fail-dst") == engine.offload_index, (
+        "the CPU-offload child did not take the load"
+    )
+    for _ in range(20):
+        if failed:
+            break
+        engine.step()
+    assert failed, "the CPU-offload child's load never completed"
     policy = getattr(engine.vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
     assert req.num_computed_tokens <= BLOCK or req.is_finished(), (
-        f"{req.num_computed_tokens} tokens counted as computed although block 1 ({blocks[1]}) failed to load"
+        f"{req.num_computed_tokens} tokens counted as computed although block 1 ({failed}) failed to load"
     )
     for _ in range(6):
         if req.is_finished():
@@ -190,7 +205,7 @@ def test_failed_load_tokens_are_recomputed_not_counted(engine):
 # ---------------------------------------------------------------------------
 # 3. preemption
 # ---------------------------------------------------------------------------
-def test_handle_preemptions_reaches_every_child(worker_multi, monkeypatch):
+def test_handle_preemptions_reaches_every_child(engine, monkeypatch):
     """handle_preemptions (the worker telling connectors which requests were preempted)
     reaches every child: each with its own entry of the MultiKVConnectorMetadata where
     the hook takes metadata (0.19+), the same preempted request ids where it takes ids
@@ -198,7 +213,7 @@ def test_handle_preemptions_reaches_every_child(worker_multi, monkeypatch):
     transfers for requests that are gone."""
     import inspect
 
-    _, multi = worker_multi
+    multi = engine.worker
     base = ch.base_class()
     if not hasattr(base, "handle_preemptions"):
         not_applicable("the release's connector API has no handle_preemptions")
@@ -215,7 +230,7 @@ def test_handle_preemptions_reaches_every_child(worker_multi, monkeypatch):
     assert got == expected, f"children's handle_preemptions calls: {got}"
 
 
-def test_preempted_request_with_a_store_in_flight_is_freed_exactly_once(make_engine):
+def test_preempted_request_with_a_store_in_flight_is_freed_exactly_once(make_engine, transport):
     """A request preempted while the CPU-offload child's stores of it are still in flight
     keeps its blocks pinned until the stores complete, and is freed exactly once: when it
     has been resumed, finished, and its stores reported done, every block is back."""
@@ -223,7 +238,7 @@ def test_preempted_request_with_a_store_in_flight_is_freed_exactly_once(make_eng
 
     engine = make_engine(num_blocks=8)
     free_before = _free_blocks(engine)
-    engine.emulator.deferring = True  # stores stay in flight until a request is preempted
+    transport.hold()  # stores stay in flight until a request is preempted
     a = va.make_request("pre-a", token_ids(2 * BLOCK + 5), max_tokens=30)
     engine.scheduler.add_request(a)
     engine.step()
@@ -233,14 +248,14 @@ def test_preempted_request_with_a_store_in_flight_is_freed_exactly_once(make_eng
     for _ in range(80):
         engine.step()
         preempted |= a.status == RequestStatus.PREEMPTED or a.num_preemptions > 0 or b.num_preemptions > 0
-        engine.emulator.deferring = not preempted  # the stores in flight complete after the preemption
+        if preempted:
+            transport.release()  # the stores in flight complete after the preemption
         if engine.finished_output("pre-a") and engine.finished_output("pre-b"):
             break
     if not preempted:
         pytest.fail("the scheduler never preempted a request: the scenario was not built")
     assert engine.finished_output("pre-a") and engine.finished_output("pre-b"), "requests did not finish"
-    for _ in range(3):
-        engine.step()
+    engine.run_until_idle()
     assert engine.scheduler.reset_prefix_cache(), "blocks still held after every store completed"
     assert _free_blocks(engine) == free_before, "blocks leaked or freed twice around the preemption"
 
@@ -248,69 +263,66 @@ def test_preempted_request_with_a_store_in_flight_is_freed_exactly_once(make_eng
 # ---------------------------------------------------------------------------
 # 4. receive completions from every child
 # ---------------------------------------------------------------------------
-def test_finished_recving_of_every_child_reaches_the_scheduler(worker_multi, monkeypatch):
+def test_finished_recving_of_every_child_reaches_the_scheduler(engine, monkeypatch):
     """A finished load (finished_recving) of either child comes out of the worker-side
     MultiConnector: Nixl's remote read and the CPU-offload child's load alike."""
-    _, multi = worker_multi
-    ch.script_completions(monkeypatch, multi._connectors[0], [(set(), {"from-nixl"})])
-    ch.script_completions(monkeypatch, multi._connectors[1], [(set(), {"from-offload"})])
+    multi = engine.worker
+    ch.script_completions(monkeypatch, multi._connectors[engine.nixl_index], [(set(), {"from-nixl"})])
+    ch.script_completions(monkeypatch, multi._connectors[engine.offload_index], [(set(), {"from-offload"})])
     _, recving = ch.finished_of(multi, set())
     assert recving == {"from-nixl", "from-offload"}, f"finished_recving: {recving}"
 
 
-@pytest.mark.parametrize("child", [0, 1])
-def test_finished_recving_unblocks_the_waiting_request(engine, child):
-    """A request waiting for an async load (Nixl's remote prefill, or the CPU-offload
-    child's stored prefix) runs again once its load is reported finished."""
+@pytest.mark.parametrize("child", ["nixl", "offload"])
+def test_finished_recving_unblocks_the_waiting_request(pd, transport, nixl_agent, child):
+    """A request waiting for an async load (Nixl's read from the prefill side, or the CPU-offload
+    child's load of its stored prefix) waits while the load is in flight and runs again, to its end,
+    once the load is reported finished."""
     from vllm.v1.request import RequestStatus
 
+    p, engine = pd
     n = 3 * BLOCK + 5
-    if child == 1:
-        engine.scheduler.add_request(va.make_request("recv-src", token_ids(n), max_tokens=2))
-        for _ in range(5):
-            engine.step()
+    prompt = token_ids(n, start=50 if child == "nixl" else 10)
+    if child == "offload":
+        _stored_prefix(engine, prompt, "recv-src")
         assert engine.scheduler.reset_prefix_cache()
-        req = va.make_request("recv-dst", token_ids(n), max_tokens=2)
+        req = va.make_request("recv-dst", prompt, max_tokens=2)
+        transport.hold()  # the load stays in flight
     else:
-        params = va.remote_prefill_params(
-            remote_engine_id="remote-prefill-engine", remote_request_id="prefill-recv", remote_block_ids=[1, 2, 3, 4]
-        )
-        req = va.make_request("recv-dst", token_ids(n), max_tokens=2, kv_transfer_params=params)
+        req = va.make_request("recv-dst", prompt, max_tokens=2, kv_transfer_params=p.prefill("recv-dst", prompt))
+        nixl_agent.polls_until_done = 10**9  # the read stays in flight
     engine.scheduler.add_request(req)
-    so = engine.scheduler.schedule()
-    assert engine.multi._requests_to_connector.get("recv-dst") == child
-    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, req.status
-    engine.scheduler.update_from_output(so, va.make_model_runner_output(so, None))
-    so = engine.scheduler.schedule()
-    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, "ran before its load finished"
-    kvo = va.make_kv_connector_output(finished_recving={"recv-dst"})
-    engine.scheduler.update_from_output(so, va.make_model_runner_output(so, kvo))
-    for _ in range(4):
-        engine.step(report_offload=False)
-    assert req.status != RequestStatus.WAITING_FOR_REMOTE_KVS, "finished load never unblocked the request"
-    assert req.num_computed_tokens >= 3 * BLOCK
-    for _ in range(4):
-        if req.is_finished():
+    engine.step()
+    assert engine.multi._requests_to_connector.get("recv-dst") == {"nixl": engine.nixl_index}.get(
+        child, engine.offload_index
+    )
+    for _ in range(3):
+        engine.step()
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"ran before its load finished ({req.status})"
+    transport.release()
+    nixl_agent.polls_until_done = 1
+    for _ in range(20):
+        engine.step()
+        if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             break
-        engine.step(report_offload=False)
-    assert req.is_finished(), f"request never finished ({req.status})"
+    assert req.status != RequestStatus.WAITING_FOR_REMOTE_KVS, "the finished load never unblocked the request"
+    assert req.num_computed_tokens >= 3 * BLOCK
+    engine.run(["recv-dst"])
     assert "recv-dst" not in engine.multi._requests_to_connector, "the finished request's load choice was kept"
 
 
 # ---------------------------------------------------------------------------
 # 5. NIXL handshake
 # ---------------------------------------------------------------------------
-def test_nixl_handshake_metadata_comes_out_and_goes_to_every_child(engine, worker_multi, monkeypatch):
+def test_nixl_handshake_metadata_comes_out_and_goes_to_every_child(engine, monkeypatch):
     """The worker-side MultiConnector returns the Nixl child's handshake metadata, and
     the scheduler-side MultiConnector hands set_xfer_handshake_metadata to every child,
     so Nixl's side-channel listener starts.  A MultiConnector that does not forward
     either makes a P/D deployment hang: a failure, never n/a."""
-    eng, multi = worker_multi
+    multi = engine.worker  # its KV caches are registered: Nixl has its handshake metadata
     if not hasattr(ch.base_class(), "get_handshake_metadata"):
         not_applicable("the release's connector API has no handshake metadata (the worker serves the handshake)")
-    nixl = multi._connectors[0]
-    nixl.register_kv_caches(va.make_kv_caches(eng.kv_cache_config))
-    own = nixl.get_handshake_metadata()
+    own = multi._connectors[engine.nixl_index].get_handshake_metadata()
     assert own is not None, "the Nixl child produced no handshake metadata"
     assert multi.get_handshake_metadata() == own, "MultiConnector does not return the Nixl child's handshake"
 
@@ -318,24 +330,21 @@ def test_nixl_handshake_metadata_comes_out_and_goes_to_every_child(engine, worke
     if not hasattr(ch.base_class(), setter):
         not_applicable("the release's connector API has no set_xfer_handshake_metadata")
     calls = [ch.spy(monkeypatch, c, setter) for c in engine.multi._connectors]
-    try:
-        getattr(engine.multi, setter)({0: own})
-        got = [len(c) for c in calls]
-        assert got == [1, 1], f"{setter} calls per child: {got}"
-        assert calls[0].args[0][0] == {0: own}
-        pp_aware = "set_xfer_handshake_metadata_pp_aware"
-        if hasattr(ch.base_class(), pp_aware):  # what EngineCore calls from 0.23 (engine/core.py)
-            calls = [ch.spy(monkeypatch, c, pp_aware, lambda *a: None) for c in engine.multi._connectors]
-            getattr(engine.multi, pp_aware)({(0, 0): own})
-            assert [len(c) for c in calls] == [1, 1], f"{pp_aware} calls per child: {[len(c) for c in calls]}"
-    finally:
-        engine.multi.shutdown()
+    getattr(engine.multi, setter)({0: own})
+    got = [len(c) for c in calls]
+    assert got == [1, 1], f"{setter} calls per child: {got}"
+    assert calls[engine.nixl_index].args[0][0] == {0: own}
+    pp_aware = "set_xfer_handshake_metadata_pp_aware"
+    if hasattr(ch.base_class(), pp_aware):  # what EngineCore calls from 0.23 (engine/core.py)
+        calls = [ch.spy(monkeypatch, c, pp_aware, lambda *a: None) for c in engine.multi._connectors]
+        getattr(engine.multi, pp_aware)({(0, 0): own})
+        assert [len(c) for c in calls] == [1, 1], f"{pp_aware} calls per child: {[len(c) for c in calls]}"
 
 
 # ---------------------------------------------------------------------------
 # 6. reset_cache
 # ---------------------------------------------------------------------------
-def test_reset_cache_goes_to_both_children_and_clears_the_offloaded_prefix(engine, monkeypatch):
+def test_reset_cache_goes_to_both_children_and_clears_the_offloaded_prefix(engine, transport, monkeypatch):
     """Resetting the prefix cache with external caches reaches both children and
     returns whether every child reset; afterwards no child serves the old prefix.
     A child that raises fails this test with vLLM's error."""
@@ -346,11 +355,9 @@ def test_reset_cache_goes_to_both_children_and_clears_the_offloaded_prefix(engin
     if "reset_connector" not in inspect.signature(engine.scheduler.reset_prefix_cache).parameters:
         not_applicable("the scheduler cannot reset connectors' caches in this release")
     prompt = token_ids(3 * BLOCK + 5)
-    engine.scheduler.add_request(va.make_request("reset-src", prompt, max_tokens=2))
-    for _ in range(5):
-        engine.step()
+    _stored_prefix(engine, prompt, "reset-src")
     # stored and reported done (asking the child for a hit here would pin it, as no engine does)
-    assert engine.emulator.completed_store_events or engine.emulator.finished_sending, "nothing stored to reset"
+    assert transport.stores(), "nothing stored to reset"
     assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held before the connector reset"
     calls = [ch.spy(monkeypatch, c, "reset_cache") for c in engine.multi._connectors]
     assert engine.scheduler.reset_prefix_cache(reset_connector=True) is True
@@ -381,7 +388,7 @@ def test_reset_cache_is_false_when_a_child_could_not_reset(engine, monkeypatch):
 # 7. KV events and transfer stats
 # ---------------------------------------------------------------------------
 def test_take_events_yields_every_childs_events_in_order(engine, monkeypatch):
-    """take_events yields the KV-cache events of every child, Nixl's then the CPU-offload child's."""
+    """take_events yields the KV-cache events of every child, in config order."""
     if not ch.multi_overrides("take_events"):
         not_applicable("MultiConnector has no take_events in this release")
     events = ([object(), object()], [object()])
@@ -390,11 +397,11 @@ def test_take_events_yields_every_childs_events_in_order(engine, monkeypatch):
     assert list(engine.multi.take_events()) == events[0] + events[1]
 
 
-def test_connector_stats_are_kept_per_child_under_the_releases_key(worker_multi, monkeypatch):
+def test_connector_stats_are_kept_per_child_under_the_releases_key(engine, monkeypatch):
     """Transfer stats from both children come out of get_kv_connector_stats side by side,
     each under its child's class name (NixlPullConnector from 0.24, where NixlConnector is
     an alias), and a child without stats adds no entry."""
-    _, multi = worker_multi
+    multi = engine.worker
     Stats = ch.kv_connector_stats_class()
     if Stats is None or not ch.multi_overrides("get_kv_connector_stats"):
         not_applicable("no KV-connector stats in this release")

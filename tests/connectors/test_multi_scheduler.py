@@ -1,9 +1,9 @@
-"""Scheduler-side contracts of MultiConnector([NixlConnector, CPU offload]).
+"""Scheduler-side contracts of MultiConnector with a NixlConnector and a CPU-offload child.
 
-Every test drives vLLM's real Scheduler, which builds the MultiConnector and
-its children through the release's own factory.  The CPU-offload child's
-worker is not run here; its completions are reported in the release's
-worker->scheduler protocol by ``OffloadWorkerEmulator`` (see vllm_adapter).
+Every test drives vLLM's real Scheduler, which builds the MultiConnector and its children through
+the release's own factory, with the worker half of every step run by the worker-role MultiConnector
+(see conftest).  The children are in the cell's order: MultiConnector's load rule is "the first child,
+in config order, that has tokens", so which child loads a request depends on it.
 """
 
 from __future__ import annotations
@@ -20,85 +20,78 @@ def _release_at_least(v: str) -> bool:
     return Version(probes.vllm_version()).release >= Version(v).release
 
 
-def _remote_prefill_request(req_id: str, n_tokens: int):
-    n_blocks = -(-n_tokens // BLOCK)
-    params = va.remote_prefill_params(
-        remote_engine_id="remote-prefill-engine",
-        remote_request_id=f"prefill-{req_id}",
-        remote_block_ids=list(range(1, n_blocks + 1)),
-    )
-    return va.make_request(req_id, token_ids(n_tokens), max_tokens=4, kv_transfer_params=params)
-
-
 def _request_block_ids(engine, req_id: str) -> list[list[int]]:
     """Block ids the scheduler allocated to a live request, per KV-cache group."""
     return [list(g) for g in engine.scheduler.kv_cache_manager.get_block_ids(req_id)]
 
 
-# ---------------------------------------------------------------------------
-# 2. load selection: Nixl wins a remote-prefill request
-# ---------------------------------------------------------------------------
 def _warm_offload_cache(engine, prompt: list[int], req_id: str) -> None:
-    """Run a request with ``prompt`` to completion (its stores reported done),
-    then clear the local GPU prefix cache so only the connectors can hit."""
+    """Run a request with ``prompt`` to completion, the engine drained (its stores done), then clear
+    the local GPU prefix cache so only the connectors can hit."""
     engine.scheduler.add_request(va.make_request(req_id, prompt, max_tokens=2))
-    for _ in range(5):
-        engine.step()
-    assert engine.finished_output(req_id) is not None, f"{req_id} did not finish"
-    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the request finished"
+    engine.run([req_id])
+    engine.run_until_idle()
+    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine went idle"
 
 
-def test_nixl_wins_load_for_remote_prefill_request(engine):
-    """A decode-side request carrying do_remote_prefill params is loaded by
-    NixlConnector, the first child, even when the CPU-offload child also holds
-    the prompt: MultiConnector reports the whole prompt as an async external
-    hit, binds the request to child 0, and the CPU-offload child plans no load
-    for it."""
+# ---------------------------------------------------------------------------
+# 2. load selection: the first child with tokens loads a remote-prefill request
+# ---------------------------------------------------------------------------
+def test_remote_prefill_request_is_loaded_by_the_first_child_with_tokens(pd):
+    """A decode-side request carrying do_remote_prefill params (vLLM's proxy protocol) whose prompt the
+    CPU-offload child also holds is loaded by the first child in config order that has tokens for it:
+    with Nixl first, Nixl pulls the whole prompt (async) and the CPU-offload child plans no load; with
+    the CPU-offload child first, it loads its stored blocks and Nixl, told of no tokens, still names the
+    request to its worker so the prefill side learns it may free its blocks.  MultiConnector binds the
+    request to that child until it finishes."""
     from vllm.v1.request import RequestStatus
 
+    p, d = pd
     n = 3 * BLOCK + 5
-    _warm_offload_cache(engine, token_ids(n), "warm-1")
-    req = _remote_prefill_request("decode-1", n)
-    engine.scheduler.add_request(req)
+    prompt = token_ids(n)
+    _warm_offload_cache(d, prompt, "warm-1")
+    params = p.prefill("decode-1", prompt)
+    req = va.make_request("decode-1", prompt, max_tokens=4, kv_transfer_params=params)
+    d.scheduler.add_request(req)
 
-    offload_hit = engine.offload.get_num_new_matched_tokens(req, 0)[0]
-    got = engine.multi.get_num_new_matched_tokens(req, 0)
-    assert got == (n, True), f"MultiConnector returned {got}; CPU-offload child alone would match {offload_hit}"
-    assert engine.multi._requests_to_connector.get(req.request_id) == 0
+    offload_hit = d.offload.get_num_new_matched_tokens(req, 0)[0]
+    assert offload_hit == 3 * BLOCK, f"the CPU-offload child holds {offload_hit} tokens, not the 3 stored blocks"
+    got = d.multi.get_num_new_matched_tokens(req, 0)
+    first = min(d.nixl_index, d.offload_index)
+    want = (n, True) if first == d.nixl_index else (offload_hit, True)
+    assert got == want, f"MultiConnector returned {got}; the first child with tokens (child {first}) answers {want}"
+    assert d.multi._requests_to_connector.get(req.request_id) == first
 
-    so = engine.step()
+    so = d.step()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert engine.multi._requests_to_connector.get(req.request_id) == 0
-    nixl_meta, offload_meta = so.kv_connector_metadata.metadata
-    assert req.request_id in nixl_meta.reqs_to_recv, "Nixl must be told to pull the remote KV"
-    assert not va.offload_load_work(offload_meta), (
-        f"CPU-offload child must not load this request (its own match: {offload_hit} tokens)"
-    )
+    assert d.multi._requests_to_connector.get(req.request_id) == first
+    nixl_meta, offload_meta = d.nixl_meta(so), d.offload_meta(so)
+    assert req.request_id in nixl_meta.reqs_to_recv, "Nixl's worker is never told about the remote prefill"
+    if first == d.nixl_index:
+        assert not va.offload_load_work(offload_meta), "the CPU-offload child must not load a request Nixl loads"
+    else:
+        assert va.offload_load_work(offload_meta), "the CPU-offload child, first with tokens, plans no load"
+    d.run(["decode-1"])
+    p.run_until_idle()
+    assert "decode-1" not in p.scheduler.requests, "the prefill side never freed the blocks it held for D"
 
 
 # ---------------------------------------------------------------------------
 # 3. after a store, the CPU-offload child serves the prefix
 # ---------------------------------------------------------------------------
-def test_offload_child_loads_prefix_after_store_completes(engine):
-    """Once the CPU-offload child has stored a request's full blocks, a new
-    request with the same prompt (local GPU prefix cache cleared, no Nixl
-    params) is loaded by the CPU-offload child: MultiConnector returns all
-    stored tokens as an async load, binds the request to child 1, and only the
-    offload child's metadata carries the load."""
+def test_offload_child_loads_prefix_after_store_completes(engine, transport):
+    """Once the CPU-offload child has stored a request's full blocks, a new request with the same
+    prompt (local GPU prefix cache cleared, no Nixl params) is loaded by the CPU-offload child:
+    MultiConnector returns all stored tokens as an async load, binds the request to that child, only
+    that child's metadata carries the load, and the loaded tokens count as computed."""
     from vllm.v1.request import RequestStatus
 
     prompt = token_ids(3 * BLOCK + 5)
-    first = va.make_request("store-src", prompt, max_tokens=2)
-    engine.scheduler.add_request(first)
-    for _ in range(5):  # prefill, decode, finish, finish-time flushes
-        engine.step()
-    assert engine.finished_output("store-src") is not None, "first request did not finish"
+    engine.scheduler.add_request(va.make_request("store-src", prompt, max_tokens=2))
+    engine.run(["store-src"])
+    engine.run_until_idle()
     assert "store-src" not in engine.scheduler.requests, "first request was never freed"
-    assert engine.emulator.completed_store_events or "store-src" in engine.emulator.finished_sending, (
-        "the CPU-offload child never scheduled a store for the first request"
-    )
-
-    # Drop the local (GPU) prefix cache only; the connector keeps its own.
+    assert transport.stores(), "the CPU-offload child never stored the first request's blocks"
     assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the store completed"
 
     second = va.make_request("load-dst", prompt, max_tokens=2)
@@ -107,16 +100,13 @@ def test_offload_child_loads_prefix_after_store_completes(engine):
     toks, load_async = engine.multi.get_num_new_matched_tokens(second, 0)
     assert toks == 3 * BLOCK, f"expected the 3 stored blocks ({3 * BLOCK} tokens), got {toks}"
     assert load_async is True
-    assert engine.multi._requests_to_connector.get("load-dst") == 1
+    assert engine.multi._requests_to_connector.get("load-dst") == engine.offload_index
 
     so = engine.step()
     assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS or second.num_computed_tokens >= toks
-    nixl_meta, offload_meta = so.kv_connector_metadata.metadata
-    assert va.offload_load_work(offload_meta), "the CPU-offload child's metadata carries no load"
-    assert "load-dst" not in nixl_meta.reqs_to_recv
-
-    for _ in range(3):
-        engine.step()
+    assert va.offload_load_work(engine.offload_meta(so)), "the CPU-offload child's metadata carries no load"
+    assert "load-dst" not in engine.nixl_meta(so).reqs_to_recv
+    engine.run(["load-dst"])
     assert second.num_computed_tokens >= toks, "loaded tokens were not counted as computed"
 
 
@@ -124,22 +114,20 @@ def test_offload_child_loads_prefix_after_store_completes(engine):
 # 4. store goes to all children
 # ---------------------------------------------------------------------------
 def test_store_scheduled_on_offload_child_while_nixl_tracks(engine):
-    """A prefill-side request (do_remote_decode) is handed to every child: the
-    CPU-offload child schedules a store of its full blocks, and NixlConnector
-    tracks the same request for sending (its metadata names it in
-    reqs_to_send / reqs_in_batch and its finish delays the block free)."""
-    # Two output tokens, so the request lives one step after its prefill: some
-    # releases' SimpleCPUOffload (e.g. 0.22.1) store only blocks confirmed
-    # computed in an earlier step and have no finish-time store.
+    """A prefill-side request (do_remote_decode) is handed to every child: the CPU-offload child
+    schedules a store of its full blocks, and NixlConnector tracks the same request for sending (its
+    metadata names it in reqs_to_send / reqs_in_batch and its finish delays the block free)."""
+    # Two output tokens, so the request lives one step after its prefill: some releases'
+    # SimpleCPUOffload (e.g. 0.22.1) store only blocks confirmed computed in an earlier step.
     prompt = token_ids(3 * BLOCK + 5)
     req = va.make_request("prefill-1", prompt, max_tokens=2, kv_transfer_params=va.remote_decode_params())
     engine.scheduler.add_request(req)
     engine.step()
     blocks = _request_block_ids(engine, "prefill-1")[0]
     for _ in range(3):
-        engine.step(report_offload=False)
+        engine.step()
 
-    store_work = [va.offload_store_work(m.metadata[1]) for m in engine.metas]
+    store_work = [va.offload_store_work(m.metadata[engine.offload_index]) for m in engine.metas]
     stored_gpu_blocks: set[int] = set()
     store_reqs: set[str] = set()
     for w in store_work:
@@ -153,7 +141,7 @@ def test_store_scheduled_on_offload_child_while_nixl_tracks(engine):
 
     nixl_named = set()
     for m in engine.metas:
-        nm = m.metadata[0]
+        nm = m.metadata[engine.nixl_index]
         nixl_named |= set(getattr(nm, "reqs_to_send", {}) or {})
         nixl_named |= set(getattr(nm, "reqs_in_batch", set()) or set())
     assert "prefill-1" in nixl_named, "NixlConnector's metadata never named the request"
@@ -163,24 +151,21 @@ def test_store_scheduled_on_offload_child_while_nixl_tracks(engine):
 # ---------------------------------------------------------------------------
 # 5. metadata aggregation
 # ---------------------------------------------------------------------------
-def test_metadata_one_entry_per_child_in_config_order(engine):
-    """build_connector_meta returns a MultiKVConnectorMetadata with exactly one
-    entry per child, in config order: Nixl's metadata first (carrying the
-    remote-prefill request), the CPU-offload child's second (carrying the store
-    of another request)."""
+def test_metadata_one_entry_per_child_in_config_order(pd):
+    """build_connector_meta returns a MultiKVConnectorMetadata with exactly one entry per child, in
+    config order: Nixl's metadata (carrying the remote-prefill request) at Nixl's place, the CPU-offload
+    child's (carrying the store of another request) at its own."""
     MultiConnector, MultiMeta = va.multi_classes()
     NixlConnector, NixlMeta = va.nixl_classes()
     OffloadConnector, OffloadMeta = va.offload_classes()
 
+    p, engine = pd
     assert isinstance(engine.multi, MultiConnector)
-    assert [type(c) for c in engine.multi._connectors] == [
-        type(engine.nixl),
-        type(engine.offload),
-    ]
     assert isinstance(engine.nixl, NixlConnector)
     assert isinstance(engine.offload, OffloadConnector)
 
-    remote = _remote_prefill_request("decode-2", 2 * BLOCK + 3)
+    prompt = token_ids(2 * BLOCK + 3)
+    remote = va.make_request("decode-2", prompt, max_tokens=4, kv_transfer_params=p.prefill("decode-2", prompt))
     local = va.make_request("local-2", token_ids(3 * BLOCK + 5, start=200), max_tokens=3)
     engine.scheduler.add_request(remote)
     engine.scheduler.add_request(local)
@@ -190,23 +175,23 @@ def test_metadata_one_entry_per_child_in_config_order(engine):
     for meta in engine.metas:
         assert type(meta) is MultiMeta
         assert isinstance(meta.metadata, tuple) and len(meta.metadata) == 2
-        assert isinstance(meta.metadata[0], NixlMeta), type(meta.metadata[0])
-        assert isinstance(meta.metadata[1], OffloadMeta), type(meta.metadata[1])
-    assert "decode-2" in engine.metas[0].metadata[0].reqs_to_recv
-    assert any(va.offload_store_work(m.metadata[1]) for m in engine.metas), (
-        "no step carried the CPU-offload child's store work in entry 1"
+        assert isinstance(meta.metadata[engine.nixl_index], NixlMeta), type(meta.metadata[engine.nixl_index])
+        assert isinstance(meta.metadata[engine.offload_index], OffloadMeta), type(meta.metadata[engine.offload_index])
+    assert "decode-2" in engine.metas[0].metadata[engine.nixl_index].reqs_to_recv
+    assert any(va.offload_store_work(m.metadata[engine.offload_index]) for m in engine.metas), (
+        "no step carried the CPU-offload child's store work in its entry"
     )
+    engine.run(["decode-2", "local-2"])
 
 
 # ---------------------------------------------------------------------------
 # 6. finishing a plain request
 # ---------------------------------------------------------------------------
 def test_plain_request_finish_has_no_async_save_and_cleans_up(engine):
-    """A request with no transfer params and nothing to store (prompt shorter
-    than a block) finishes through request_finished / request_finished_all_groups
-    (whichever the scheduler calls) with no async save: its blocks are freed at
-    once, no kv_transfer_params are returned, and MultiConnector's per-request
-    bookkeeping is empty."""
+    """A request with no transfer params and nothing to store (prompt shorter than a block) finishes
+    through request_finished / request_finished_all_groups (whichever the scheduler calls) with no
+    async save: its blocks are freed at once, no kv_transfer_params are returned, and MultiConnector's
+    per-request bookkeeping is empty."""
     req = va.make_request("plain-1", token_ids(BLOCK - 7), max_tokens=1)
     engine.scheduler.add_request(req)
     engine.step()
@@ -226,11 +211,10 @@ def test_plain_request_finish_has_no_async_save_and_cleans_up(engine):
 # 7. prefill side returns Nixl's params
 # ---------------------------------------------------------------------------
 def test_prefill_finish_returns_nixl_transfer_params(engine):
-    """A prefill-side request (do_remote_decode=True) that finishes returns
-    NixlConnector's transfer params through MultiConnector: do_remote_prefill
-    True, remote_engine_id equal to Nixl's engine id, host and port,
-    remote_request_id (from 0.13) and the request's block ids; its blocks are
-    held for the remote decode."""
+    """A prefill-side request (do_remote_decode=True) that finishes returns NixlConnector's transfer
+    params through MultiConnector: do_remote_prefill True, remote_engine_id equal to Nixl's engine id,
+    host and port, remote_request_id (from 0.13) and the request's block ids; its blocks are held for
+    the remote decode."""
     prompt = token_ids(3 * BLOCK + 5)
     req = va.make_request("prefill-2", prompt, max_tokens=1, kv_transfer_params=va.remote_decode_params())
     engine.scheduler.add_request(req)

@@ -1,44 +1,31 @@
-"""Worker-side contracts of MultiConnector([NixlConnector, CPU offload]) on CPU.
+"""The worker half of MultiConnector(Nixl + CPU offload): what a worker does every step, on CPU.
 
-NIXL is replaced by kvcompat.testkit.fake_nixl.FakeNixlWrapper, patched at the
-release's NixlWrapper target (N1/N2/N3).  The process runs on vLLM's own
-CpuPlatform (selected in conftest), whose device type "cpu" is in
-_NIXL_SUPPORTED_DEVICE from 0.11.2.
-
-The CPU-offload children's workers need CUDA (SimpleCPUOffloadWorker creates
-torch.cuda streams in register_kv_caches; OffloadingConnector's handlers need a
-CUDA-alike platform), so the test that registers KV caches on *both* children
-is marked ``gpu``: on a GPU-less cell it fails with vLLM's own CUDA error.
+Every engine here runs, each step, the worker-role MultiConnector the release's factory builds with
+its real children, through the release's own model-runner code (kvcompat.testkit.adapter.worker).
+NIXL is the fake agent (kvcompat.testkit.fake_nixl); SimpleCPUOffload's worker (0.19+) runs as
+shipped with its CUDA transport replaced by kvcompat.testkit.cuda_transport, so the KV blocks it
+stores to the CPU tier and loads back are real bytes; up to 0.18 OffloadingConnector's transfers are
+scripted (kvcompat.testkit.adapter.offload_script).
 """
 
 from __future__ import annotations
 
-import os
+import inspect
+import time
 from typing import Any
 
-import pytest
-
 from kvcompat.testkit import adapter as va
+from kvcompat.testkit import not_applicable, setup_owned_by
 from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 
-from conftest import BLOCK, build_worker, token_ids
+from conftest import BLOCK, pd_read_is_byte_exact, token_ids
+
+STORE_CONTRACT = "test_store_scheduled_on_offload_child_while_nixl_tracks"
 
 
-@pytest.fixture
-def worker_nixl_child(make_engine, fake_nixl, single_rank_distributed):
-    """Only the Nixl child, built the way MultiConnector builds its child 0."""
-    engine = make_engine(num_blocks=16)
-    affinity = os.sched_getaffinity(0)
-    nixl = build_worker(engine, lambda cfg, role, kvc: va.multi_child_connector(cfg, role, kvc, 0))
-    yield engine, nixl
-    nixl.shutdown()
-    os.sched_setaffinity(0, affinity)
-
-
-def _agent(fake_nixl) -> FakeNixlWrapper:
-    assert len(fake_nixl.instances) == 1, f"expected one NIXL agent, got {len(fake_nixl.instances)}"
-    return fake_nixl.instances[0]
+def _agents(fake_nixl) -> list[FakeNixlWrapper]:
+    return list(fake_nixl.instances)
 
 
 def _assert_dram_registration(agent: FakeNixlWrapper, caches: dict[str, Any]) -> None:
@@ -58,102 +45,279 @@ def _assert_dram_registration(agent: FakeNixlWrapper, caches: dict[str, Any]) ->
         assert pos >= end, f"layer {name} [{start:#x}, {end:#x}) not covered by registered regions"
 
 
-def _prefill_side_metadata(engine, req_id: str):
-    """Real scheduler-side metadata for a prefill-side request that finishes.
-    Its prompt is shorter than one block, so the CPU-offload child has no store
-    or load to run for it."""
-    req = va.make_request(req_id, token_ids(BLOCK - 5), max_tokens=1, kv_transfer_params=va.remote_decode_params())
+def _store_prefix(engine, prompt: list[int], req_id: str) -> None:
+    """Run a request to its end and let the engine drain, so its full blocks are in the CPU tier;
+    then drop the local prefix cache, so only a connector can serve the prompt again."""
+    engine.scheduler.add_request(va.make_request(req_id, prompt, max_tokens=2))
+    engine.run([req_id])
+    engine.run_until_idle()
+    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine went idle"
+
+
+def _scrub(engine) -> None:
+    """Overwrite every GPU KV cache, as other requests' KV would: freed blocks keep no old prefix."""
+    for rank in engine.ranks:
+        for cache in rank.kv_caches.values():
+            cache.fill_(-1.0)
+
+
+# ---------------------------------------------------------------------------
+# 1. the worker side comes up: KV caches registered with every child
+# ---------------------------------------------------------------------------
+def test_register_kv_caches_reaches_every_child(
+    release, tiny_model_dir, nixl_agent, single_rank_distributed, transport
+):
+    """The worker-role MultiConnector the factory builds has both children, and registering the KV
+    caches (as the model runner does) reaches every child: Nixl registers DRAM regions covering every
+    layer with its NIXL agent, and the CPU-offload child's worker sets up its CPU tier (SimpleCPUOffload:
+    a CPU block count the engine asks for at startup).  Without it the CPU-offload child can never
+    store, and from 0.34 the engine refuses to start."""
+    cfg = va.make_vllm_config(tiny_model_dir, num_gpu_blocks=16)
+    kvc = va.make_kv_cache_config(16)
+    rank = va.build_rank(cfg, kvc)
+    try:
+        nixl_cls, _ = va.nixl_classes()
+        offload_cls, _ = va.offload_classes()
+        order = va.child_order()
+        kids = rank.connector._connectors
+        assert isinstance(kids[va.child_index("nixl", order)], nixl_cls)
+        assert isinstance(kids[va.child_index("offload", order)], offload_cls)
+        va.prepare_offload_worker(rank, transport)
+        rank.register()
+        (agent,) = _agents(nixl_agent)
+        _assert_dram_registration(agent, rank.kv_caches)
+        handler = va.offload_worker_handler(kids[va.child_index("offload", order)])
+        assert handler is not None, "the CPU-offload child has no worker"
+        if hasattr(handler, "num_cpu_blocks"):
+            assert handler.num_cpu_blocks > 0, "the CPU-offload worker set up no CPU blocks"
+            assert va.report_offload_blocks(cfg, [rank]) in (None, handler.num_cpu_blocks)
+        else:
+            assert len(handler.worker.handlers) == 2, "OffloadingConnector registered no transfer handlers"
+    finally:
+        rank.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# 2. every worker step reaches every child
+# ---------------------------------------------------------------------------
+def _worker_hooks() -> list[str]:
+    """The worker hooks the release's model runner calls on the connector, every step or per layer."""
+    base = ch.base_class()
+    hooks = ["bind_connector_metadata", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save"]
+    hooks.append(ch.completion_hook())
+    hooks += [h for h in ("get_block_ids_with_load_errors", "build_connector_worker_meta") if hasattr(base, h)]
+    if (
+        hasattr(base, "handle_preemptions")
+        and "preempted_req_ids" not in inspect.signature(base.handle_preemptions).parameters
+    ):
+        hooks.append("handle_preemptions")  # every step from 0.19 (with the step's metadata)
+    if va.model_runner() == "v2" and hasattr(base, "finish_forward"):
+        hooks.append("finish_forward")
+    return hooks + ["clear_connector_metadata"]
+
+
+def test_every_worker_step_reaches_every_child(engine, monkeypatch):
+    """Each worker hook the model runner calls on MultiConnector (bind the metadata, start loads, per
+    layer wait for loads and save, wait for saves, collect finished transfers, load errors and worker
+    metadata, preemptions, clear) reaches every child as often as MultiConnector gets it, and binding
+    gives each child its own entry of the step's metadata: a hook not forwarded leaves a child's loads
+    never started (requests wait forever) or its stores never launched."""
+    hooks = _worker_hooks()
+    multi = engine.worker
+    got_multi = {h: ch.spy(monkeypatch, multi, h) for h in hooks}
+    got_kids = [{h: ch.spy(monkeypatch, c, h) for h in hooks} for c in multi._connectors]
+    prompt = token_ids(3 * BLOCK + 5)
+    _store_prefix(engine, prompt, "steps-src")
+    _scrub(engine)
+    engine.scheduler.add_request(va.make_request("steps-dst", prompt, max_tokens=2))
+    engine.run(["steps-dst"])
+    engine.run_until_idle()
+    for h in hooks:
+        n = len(got_multi[h])
+        assert n > 0, f"the model runner never called MultiConnector.{h}"
+        per_child = [len(kid[h]) for kid in got_kids]
+        assert per_child == [n, n], f"{h}: MultiConnector got {n} calls, its children {per_child}"
+    for i, kid in enumerate(got_kids):
+        bound = [a[0] for a in kid["bind_connector_metadata"].args]
+        expected = [a[0].metadata[i] for a in got_multi["bind_connector_metadata"].args]
+        assert all(b is e for b, e in zip(bound, expected, strict=True)), (
+            f"child {i} was bound another child's metadata"
+        )
+
+
+# ---------------------------------------------------------------------------
+# 3. the CPU tier round trip, byte for byte
+# ---------------------------------------------------------------------------
+def test_cpu_tier_round_trip_is_byte_exact(engine, transport):
+    """A prompt's full blocks stored to the CPU tier by the CPU-offload child's own worker, and loaded
+    back into other GPU blocks for a new request with the same prompt, hold exactly the KV the forward
+    pass wrote (every layer, K and V, every byte); the request resumes from them and finishes.  Where
+    the child's transfers are scripted (OffloadingConnector, up to 0.18) the stores and the load are
+    checked, the bytes cannot be."""
+    prompt = token_ids(3 * BLOCK + 5)
+    _store_prefix(engine, prompt, "trip-src")
+    stores = len(transport.stores())
+    assert stores, "the CPU-offload child's worker stored nothing"
+    _scrub(engine)
+    from vllm.v1.request import RequestStatus
+
+    req = va.make_request("trip-dst", prompt, max_tokens=3)
     engine.scheduler.add_request(req)
-    engine.step(report_offload=False)
-    engine.step(report_offload=False)
-    assert any(req_id in (getattr(m.metadata[0], "reqs_to_send", {}) or {}) for m in engine.metas)
-    assert not any(va.offload_store_work(m.metadata[1]) for m in engine.metas)
-    assert not any(va.offload_load_work(m.metadata[1]) for m in engine.metas)
-    return list(zip(engine.metas, engine.sched_outputs, strict=True))
+    for _ in range(30):
+        engine.step()
+        if req.status == RequestStatus.RUNNING:  # its load has finished and it computes again
+            break
+    assert req.status == RequestStatus.RUNNING, f"the request never resumed after its load ({req.status})"
+    assert req.num_computed_tokens >= 3 * BLOCK, f"only {req.num_computed_tokens} tokens after the load"
+    assert transport.loads(), "the CPU-offload child's worker loaded nothing back"
+    if va.offload_worker_kind() == va.REAL:
+        blocks = va.group_block_ids(engine.scheduler.kv_cache_manager.get_block_ids("trip-dst"))[:3]
+        compared = 0
+        for rank in engine.ranks:
+            for layer, cache in rank.kv_caches.items():
+                for j, block_id in enumerate(blocks):
+                    want = va.expected_block(cache, layer, prompt[: (j + 1) * BLOCK])
+                    got = va.kv_cache_block(cache, block_id)
+                    assert va.same_bytes(got, want), (
+                        f"block {j} of the prompt (GPU block {block_id}, {layer}, rank {rank.rank}) holds other "
+                        "bytes than the forward pass wrote: the CPU tier round trip lost or mixed up KV"
+                    )
+                    compared += 1
+        print(
+            f"CPU tier round trip: {stores} store copies, {len(transport.loads())} load copies; "
+            f"{len(blocks)} blocks x {compared // len(blocks)} layer views compared byte for byte: equal"
+        )
+    engine.run(["trip-dst"])
 
 
-def test_worker_nixl_child_registers_cpu_kv_caches_and_send_completes(worker_nixl_child, fake_nixl):
-    """On CPU, the Nixl child (built as MultiConnector builds child 0, with the
-    fake NIXL agent) registers the CPU KV caches as DRAM regions covering every
-    layer; given the scheduler's real metadata for a prefill-side request it
-    tracks the send, and reports it finished only after the decode side's
-    notification arrives."""
-    engine, nixl = worker_nixl_child
-    NixlConnector, _ = va.nixl_classes()
-    assert isinstance(nixl, NixlConnector)
-    caches = va.make_kv_caches(engine.kv_cache_config)
-    nixl.register_kv_caches(caches)
-    agent = _agent(fake_nixl)
-    _assert_dram_registration(agent, caches)
-
-    sending_seen: set[str] = set()
-    for meta, so in _prefill_side_metadata(engine, "pd-send-0"):
-        nixl.bind_connector_metadata(meta.metadata[0])
-        nixl.start_load_kv(None)
-        nixl.wait_for_save()
-        sending, _ = nixl.get_finished(set(so.finished_req_ids))
-        sending_seen |= set(sending or ())
-        nixl.clear_connector_metadata()
-    assert "pd-send-0" not in sending_seen, "send reported done before the decode side read it"
-
-    agent.inject_notif("decode-agent", b"pd-send-0:1")
-    sending, recving = nixl.get_finished(set())
-    assert "pd-send-0" in set(sending or ())
-    assert not recving
+# ---------------------------------------------------------------------------
+# 4. worker metadata: routed to its child, added up over ranks
+# ---------------------------------------------------------------------------
+def _children_make_worker_metadata(engine) -> bool:
+    base = ch.base_class()
+    if not hasattr(base, "build_connector_worker_meta"):
+        return False
+    return any(
+        type(c).build_connector_worker_meta is not base.build_connector_worker_meta for c in engine.worker._connectors
+    )
 
 
-def test_worker_multi_get_finished_aggregates_children(worker_multi, fake_nixl, monkeypatch):
-    """Through a WORKER-role MultiConnector on CPU: metadata bound through
-    MultiConnector reaches each child in order, and MultiConnector.get_finished
-    reports the Nixl child's completed send in finished_sending (aggregated over
-    both children; no extra async saves pending).  KV caches are registered with
-    the Nixl child only: the CPU-offload child's register_kv_caches needs CUDA
-    (see test_worker_register_kv_caches_on_all_children), so its completions are
-    scripted (none): a worker without KV caches cannot exist, and from 0.28 its
-    get_finished asserts a copy backend (simple_kv_offload/worker.py L281)."""
-    engine, multi = worker_multi
-    NixlConnector, _ = va.nixl_classes()
-    OffloadConnector, _ = va.offload_classes()
-    assert isinstance(multi._connectors[0], NixlConnector)
-    assert isinstance(multi._connectors[1], OffloadConnector)
+def _wait_for_copies(transport, n: int, timeout: float = 10.0) -> None:
+    """Wait until the workers' copy threads have handed ``n`` transfers to the transport."""
+    deadline = time.monotonic() + timeout
+    while transport.launched() < n:
+        assert time.monotonic() < deadline, (
+            f"the CPU-offload workers launched {transport.launched()} transfers, not {n}"
+        )
+        time.sleep(0.002)
 
-    caches = va.make_kv_caches(engine.kv_cache_config)
-    multi._connectors[0].register_kv_caches(caches)
-    agent = _agent(fake_nixl)
-    _assert_dram_registration(agent, caches)
-    ch.script_completions(monkeypatch, multi._connectors[1], [])
 
-    sending_seen: set[str] = set()
-    for meta, so in _prefill_side_metadata(engine, "pd-send-1"):
-        multi.bind_connector_metadata(meta)
-        assert multi._connectors[0]._connector_metadata is meta.metadata[0]
-        assert multi._connectors[1]._connector_metadata is meta.metadata[1]
-        multi.start_load_kv(None)
-        multi.wait_for_save()
-        sending, _ = multi.get_finished(set(so.finished_req_ids))
-        sending_seen |= set(sending or ())
-        multi.clear_connector_metadata()
-    assert "pd-send-1" not in sending_seen, "send reported done before the decode side read it"
+def test_worker_metadata_reaches_its_child_and_two_ranks_add_up(make_engine, transport):
+    """With two TP ranks, each rank's worker reports its stores done in its own worker metadata; in
+    the step where both report, the release's aggregator adds them up through MultiConnector's worker
+    metadata, and MultiConnector hands the CPU-offload child its slot: the stores complete (the child
+    waits for every rank), the blocks are freed, and the CPU tier serves the prompt.  Metadata handed
+    to the wrong child, or one rank's report dropped, pins the blocks for good."""
+    engine = make_engine(tensor_parallel_size=2)
+    if not _children_make_worker_metadata(engine):
+        not_applicable("no child of this release reports worker metadata (build_connector_worker_meta)")
+    baseline = engine.free_blocks()
+    prompt = token_ids(3 * BLOCK + 5)
+    transport.hold()
+    engine.scheduler.add_request(va.make_request("ranks-src", prompt, max_tokens=2))
+    engine.run(["ranks-src"])
+    for _ in range(3):
+        engine.step()
+    _wait_for_copies(transport, 2)  # both ranks launched their stores: their reports land in one step
+    transport.release()
+    engine.run_until_idle()
+    assert engine.free_blocks() == baseline, "the stores never completed on both ranks: blocks stay pinned"
+    assert engine.scheduler.reset_prefix_cache()
+    dst = va.make_request("ranks-dst", prompt, max_tokens=2)
+    engine.scheduler.add_request(dst)
+    toks, _ = engine.multi.get_num_new_matched_tokens(dst, 0)
+    assert toks == 3 * BLOCK, f"the CPU tier serves {toks} tokens of the stored prompt, not {3 * BLOCK}"
 
-    agent.inject_notif("decode-agent", b"pd-send-1:1")
-    sending, recving = multi.get_finished(set())
-    assert sending is not None and "pd-send-1" in sending
-    assert not recving
+
+# ---------------------------------------------------------------------------
+# 5. the engine keeps stepping while stores are in flight
+# ---------------------------------------------------------------------------
+def test_engine_keeps_stepping_until_stores_complete(engine, transport):
+    """When the last request finishes while the CPU-offload child's stores are still in flight, the
+    engine keeps stepping (the scheduler has work: MultiConnector reports a child's pending push work)
+    until they complete, and only then is the free-block count back at its baseline.  An engine that
+    goes idle with stores in flight leaves their GPU blocks pinned, and resetting the prefix cache
+    fails until new traffic arrives."""
+    baseline = engine.free_blocks()
+    transport.hold()
+    engine.scheduler.add_request(va.make_request("flight", token_ids(3 * BLOCK + 5), max_tokens=2))
+    engine.run(["flight"])
+    for _ in range(2):
+        engine.step()
+    with setup_owned_by(STORE_CONTRACT):  # that the child stores at all is that test's contract
+        _wait_for_copies(transport, 1)
+    assert engine.scheduler.has_requests(), "the engine has no work although stores are in flight"
+    assert engine.free_blocks() < baseline, "the blocks of stores in flight were freed before they completed"
+    transport.release()
+    steps = engine.run_until_idle()
+    assert engine.free_blocks() == baseline, (
+        f"the engine went idle after {steps} steps with {baseline - engine.free_blocks()} blocks still pinned "
+        "by stores that completed meanwhile"
+    )
+    assert engine.scheduler.reset_prefix_cache(), "prefix cache reset fails once the engine is idle"
+
+
+# ---------------------------------------------------------------------------
+# 6. Nixl: the prefill side's send completes when the decode side has read
+# ---------------------------------------------------------------------------
+def test_prefill_blocks_freed_once_the_decode_side_has_read(engine, nixl_agent):
+    """A prefill-side request's blocks stay held after it finishes until the Nixl child's worker hears
+    (a NIXL notification) that the decode side read them; MultiConnector reports that send as
+    finished, and the scheduler frees the blocks."""
+    baseline = engine.free_blocks()
+    req = va.make_request("pd-send", token_ids(BLOCK - 5), max_tokens=1, kv_transfer_params=va.remote_decode_params())
+    engine.scheduler.add_request(req)
+    engine.run(["pd-send"])
+    for _ in range(3):
+        engine.step()
+    assert "pd-send" in engine.scheduler.requests, "blocks freed before the decode side read them"
+    (agent,) = _agents(nixl_agent)
+    agent.inject_notif("decode-agent", b"pd-send:1")
+    engine.run_until_idle()
+    for _ in range(3):
+        if "pd-send" not in engine.scheduler.requests:
+            break
+        engine.step()
+    assert "pd-send" not in engine.scheduler.requests, "the finished send never freed the request's blocks"
+    assert engine.free_blocks() == baseline
     assert agent.calls_named("get_new_notifs"), "Nixl never polled NIXL notifications"
 
 
-@pytest.mark.gpu
-def test_worker_register_kv_caches_on_all_children(worker_multi, fake_nixl):
-    """MultiConnector.register_kv_caches registers the KV caches with every
-    child: Nixl registers DRAM regions with its NIXL agent and the CPU-offload
-    child's worker sets up its offload pool.  (Needs CUDA for the offload
-    child's worker; fails on GPU-less cells with vLLM's CUDA error.)"""
-    engine, multi = worker_multi
-    caches = va.make_kv_caches(engine.kv_cache_config)
-    multi.register_kv_caches(caches)
-    _assert_dram_registration(_agent(fake_nixl), caches)
-    offload = multi._connectors[1]
-    handler = getattr(offload, "worker_handler", None) or getattr(offload, "connector_worker", None)
-    assert handler is not None, "CPU-offload child has no worker"
-    if hasattr(handler, "num_cpu_blocks"):
-        assert handler.num_cpu_blocks > 0, "offload worker allocated no CPU blocks"
+def test_worker_nixl_child_registers_cpu_kv_caches(release, tiny_model_dir, nixl_agent, single_rank_distributed):
+    """On CPU, the Nixl child alone (built as MultiConnector builds it, with the fake NIXL agent)
+    registers the CPU KV caches as DRAM regions covering every layer."""
+    cfg = va.make_vllm_config(tiny_model_dir, num_gpu_blocks=16)
+    kvc = va.make_kv_cache_config(16)
+    index = va.child_index("nixl")
+    rank = va.build_rank(cfg, kvc, build=lambda c, role, k: va.multi_child_connector(c, role, k, index))
+    try:
+        nixl_cls, _ = va.nixl_classes()
+        assert isinstance(rank.connector, nixl_cls)
+        with va.kv_transfer_group(rank.connector):
+            rank.connector.register_kv_caches(rank.kv_caches)
+        (agent,) = _agents(nixl_agent)
+        _assert_dram_registration(agent, rank.kv_caches)
+    finally:
+        rank.shutdown()
+
+
+# ---------------------------------------------------------------------------
+# 7. P/D: the decode side reads what the prefill side computed
+# ---------------------------------------------------------------------------
+def test_decode_reads_exactly_the_kv_the_prefill_side_computed(pd):
+    """vLLM's P/D protocol between two engines, each MultiConnector(Nixl + CPU offload): D's Nixl worker
+    reads (over the fake NIXL transport, which moves bytes between the two agents of this process)
+    the blocks P holds for it; D's blocks hold exactly the KV P's forward pass wrote, D finishes, and
+    P frees its blocks once D has read them."""
+    p, d = pd
+    print(pd_read_is_byte_exact(p, d, "pd-fake-0", token_ids(3 * BLOCK + 5, start=120)))

@@ -433,7 +433,10 @@ def test_each_child_order_has_a_timeline_of_its_own():
     from kvcompat.report.markdown import render_markdown
     from kvcompat.report.model import Report
 
-    cells = [result(v, "2.13.0", Outcome.PASS, [("test_x", "passed", None)]) for v in ("0.28.0", "0.29.0", "0.30.0", "0.31.0")]
+    cells = [
+        result(v, "2.13.0", Outcome.PASS, [("test_x", "passed", None)])
+        for v in ("0.28.0", "0.29.0", "0.30.0", "0.31.0")
+    ]
     cells += [
         result("0.30.0", "2.13.0", Outcome.TEST_FAIL, [("test_x", "failed", "hang")], order="offload-first"),
         result("0.31.0", "2.13.0", Outcome.PASS, [("test_x", "passed", None)], order="offload-first"),

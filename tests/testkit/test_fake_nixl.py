@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 
 from kvcompat.testkit.fake_nixl import FakeDescList, FakeNixlWrapper
@@ -42,13 +44,27 @@ def test_registration_round_trip(agents):
     assert d.registered == []
 
 
-def test_a_transfer_is_in_progress_until_polled(agents):
-    d, _ = agents
-    local = d.prep_xfer_dlist("NIXL_INIT_AGENT", [(0, 64, 0)] * 4, "DRAM")
-    remote = d.prep_xfer_dlist(b"prefill", [(0, 64, 0)] * 4, "DRAM")
+def _blocks(fill: int) -> tuple[ctypes.Array, list[tuple[int, int, int]]]:
+    buf = (ctypes.c_uint8 * 256)(*([fill] * 256))
+    return buf, [(ctypes.addressof(buf) + 64 * i, 64, 0) for i in range(4)]
+
+
+def test_a_transfer_is_in_progress_until_polled_then_moves_the_bytes_and_notifies(agents):
+    """A READ from the prefill agent: nothing moves inside transfer(); once polled DONE, the remote
+    blocks' bytes are in the local ones and the prefill agent has the notification."""
+    d, p = agents
+    local_buf, local_descs = _blocks(0)
+    remote_buf, remote_descs = _blocks(7)
+    remote_buf[128:192] = bytes(range(64))  # remote block 2
+    local = d.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, "DRAM")
+    remote = d.prep_xfer_dlist(b"prefill", remote_descs, "DRAM")
     h = d.make_prepped_xfer("READ", local, [0, 1], remote, [2, 3], b"req-1")
     assert d.transfer(h) == "PROC"  # never DONE inside transfer()
+    assert bytes(local_buf[:128]) == bytes(128) and p.get_new_notifs() == {}
     assert d.check_xfer_state(h) == "DONE"
+    assert bytes(local_buf[:64]) == bytes(range(64)) and bytes(local_buf[64:128]) == bytes([7] * 64)
+    assert bytes(local_buf[128:]) == bytes(128)  # blocks not named stay as they were
+    assert p.get_new_notifs() == {"decode": [b"req-1"]}
     assert d.get_xfer_telemetry(h).descCount == 2
     d.release_xfer_handle(h)
     with pytest.raises(ValueError, match="unknown xfer handle"):
@@ -77,6 +93,7 @@ def test_notifications_drain_and_answer_remote_done(agents):
     assert not d.check_remote_xfer_done("prefill", b"req-1")
     d.send_notif(b"prefill", b"hello")
     assert d.calls_named("send_notif")[0].args == (b"prefill", b"hello")
+    assert agents[1].get_new_notifs() == {"decode": [b"hello"]}  # delivered to the named agent
 
 
 def test_backends(agents):

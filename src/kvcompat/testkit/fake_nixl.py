@@ -11,13 +11,19 @@ the real library and is the reference for these behaviours):
 * ``prep_xfer_dlist`` / ``make_prepped_xfer`` / ``get_reg_descs`` /
   ``get_xfer_descs`` return opaque handles; releasing an unknown handle raises.
 
-No data is moved.  Every call is recorded in ``calls`` (name, args, kwargs) so
-tests can assert on what vLLM asked the agent to do.  All instances created in
-the process are kept in ``FakeNixlWrapper.instances``.
+Agents of one process reach each other by name, as agents on one host do over
+UCX: a prepped READ (WRITE) copies the bytes of the remote (local) descriptors
+to the local (remote) ones when it completes, and then delivers its notification
+message to the remote agent; ``send_notif`` delivers to the named agent.  An
+agent that no instance in this process answers to gets nothing delivered and no
+bytes moved.  Every call is recorded in ``calls`` (name, args, kwargs) so tests
+can assert on what vLLM asked the agent to do.  All instances created in the
+process are kept in ``FakeNixlWrapper.instances``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 from dataclasses import dataclass, field
@@ -54,6 +60,28 @@ class _Xfer:
     notif_msg: bytes
     state: str = "INIT"  # INIT -> PROC (transfer) -> DONE (first poll after)
     polls: int = 0
+
+
+def _agent_key(name: str | bytes) -> str:
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def _expand(descs: Any) -> list[tuple[int, int]]:
+    """(address, length) of every descriptor of a list: rows are (addr, len, dev) or, as NIXL >= 1.5
+    prepares them, strided (addr, len, dev, stride, count) rows standing for ``count`` descriptors."""
+    out: list[tuple[int, int]] = []
+    for row in descs:
+        values = [int(v) for v in row]
+        if len(values) == 5:
+            addr, length, _, stride, count = values
+            out += [(addr + k * stride, length) for k in range(count)]
+        else:
+            out.append((values[0], values[1]))
+    return out
+
+
+def _as_bytes(msg: str | bytes) -> bytes:
+    return msg.encode() if isinstance(msg, str) else bytes(msg)
 
 
 @dataclass
@@ -99,7 +127,35 @@ class FakeNixlWrapper:
 
     def inject_notif(self, remote_agent_name: str, msg: bytes) -> None:
         """Queue a notification as if ``remote_agent_name`` had sent ``msg``."""
-        self._notifs.setdefault(remote_agent_name, []).append(bytes(msg))
+        with FakeNixlWrapper._lock:
+            self._notifs.setdefault(remote_agent_name, []).append(_as_bytes(msg))
+
+    @classmethod
+    def named(cls, name: str | bytes) -> FakeNixlWrapper | None:
+        """The agent of this process that answers to ``name`` (None: no such agent here)."""
+        key = _agent_key(name)
+        with cls._lock:
+            return next((a for a in reversed(cls.instances) if a.name == key), None)
+
+    def _complete(self, x: _Xfer) -> None:
+        """What the NIXL backend does when a prepped transfer finishes: move the bytes, notify the peer."""
+        remote_agent, remote = self._dlists.get(x.remote, ("", FakeDescList(None, [])))
+        _, local = self._dlists.get(x.local, ("", FakeDescList(None, [])))
+        peer = FakeNixlWrapper.named(remote_agent) if remote_agent else None
+        if peer is None:
+            return
+        local_descs, remote_descs = _expand(local.descs), _expand(remote.descs)
+        for li, ri in zip(x.local_indices, x.remote_indices, strict=True):
+            laddr, llen = local_descs[li]
+            raddr, rlen = remote_descs[ri]
+            if llen != rlen:
+                raise ValueError(f"transfer of {llen} bytes into a {rlen}-byte remote descriptor")
+            if x.op == "READ":
+                ctypes.memmove(laddr, raddr, llen)
+            elif x.op == "WRITE":
+                ctypes.memmove(raddr, laddr, llen)
+        if x.notif_msg:
+            peer.inject_notif(self.name, x.notif_msg)
 
     # -- backends / plugins -------------------------------------------------
     def get_plugin_list(self) -> list[str]:
@@ -200,7 +256,7 @@ class FakeNixlWrapper:
             [int(i) for i in local_indices],
             remote_xfer_side,
             [int(i) for i in remote_indices],
-            bytes(notif_msg) if notif_msg else b"",
+            _as_bytes(notif_msg) if notif_msg else b"",
         )
         return h
 
@@ -216,7 +272,7 @@ class FakeNixlWrapper:
     ) -> int:
         self._record("initialize_xfer", (operation, local_descs, remote_descs, remote_agent, notif_msg) + args, kwargs)
         h = next(self._handles)
-        self._xfers[h] = _Xfer(operation, 0, [], 0, [], bytes(notif_msg) if notif_msg else b"")
+        self._xfers[h] = _Xfer(operation, 0, [], 0, [], _as_bytes(notif_msg) if notif_msg else b"")
         return h
 
     def transfer(self, handle: int, notif_msg: bytes = b"") -> str:
@@ -234,6 +290,7 @@ class FakeNixlWrapper:
             x.polls += 1
             if x.polls >= self.polls_until_done:
                 x.state = "DONE"
+                self._complete(x)
         return x.state
 
     def get_xfer_telemetry(self, handle: int) -> FakeXferTelemetry:
@@ -255,8 +312,12 @@ class FakeNixlWrapper:
     # -- notifications --------------------------------------------------------
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         self._record("get_new_notifs", (), {})
-        out, self._notifs = self._notifs, {}
+        with FakeNixlWrapper._lock:
+            out, self._notifs = self._notifs, {}
         return out
 
     def send_notif(self, remote_agent_name: str | bytes, notif_msg: bytes = b"", *args: Any, **kwargs: Any) -> None:
         self._record("send_notif", (remote_agent_name, notif_msg) + args, kwargs)
+        peer = FakeNixlWrapper.named(remote_agent_name)
+        if peer is not None:
+            peer.inject_notif(self.name, _as_bytes(notif_msg))

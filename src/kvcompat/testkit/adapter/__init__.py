@@ -13,10 +13,12 @@ One module per concern; tests use the names re-exported here
 * config            the tiny model, VllmConfig, MultiConnector's KVTransferConfig
 * kv_cache          KVCacheConfig and CPU KV-cache tensors
 * engine            Scheduler, connectors, requests, model-runner outputs
-* offload_emulator  the CPU-offload child's worker answers, in the release's protocol
+* worker            the worker half: a worker-role connector per TP rank, in the model runner's order
+* forward           the KV a forward pass writes, deterministic from the tokens
+* offload_worker    the CPU-offload child's worker on CPU, EngineCore's startup question, its metadata
+* offload_script    OffloadingConnector's transfers, scripted (up to 0.18)
 * children          a child's answers, observed or scripted (the lifecycle contracts)
 * nixl              Nixl transfer params, device table, handshake
-* worker            worker-role connectors driven step by step
 
 Importing this package does not import vLLM.  Call :func:`select_cpu_platform`
 before anything imports a vLLM module that reads ``current_platform``.
@@ -44,8 +46,11 @@ from kvcompat.testkit.adapter.config import (
     LAYER_NAMES,
     MAX_MODEL_LEN,
     NUM_KV_HEADS,
+    OFFLOAD_CHILD_MODULE,
     SAMPLED_TOKEN_ID,
     TINY_MODEL_CONFIG,
+    child_index,
+    child_order,
     hma_enabled,
     make_vllm_config,
     multi_kv_transfer_config,
@@ -61,6 +66,7 @@ from kvcompat.testkit.adapter.engine import (
     make_scheduler,
     multi_child_connector,
 )
+from kvcompat.testkit.adapter.forward import Forward, expected_block, same_bytes
 from kvcompat.testkit.adapter.kv_cache import (
     group_block_ids,
     kv_cache_block,
@@ -74,16 +80,34 @@ from kvcompat.testkit.adapter.nixl import (
     remote_prefill_params,
     serve_nixl_handshake,
 )
-from kvcompat.testkit.adapter.offload_emulator import OffloadWorkerEmulator, offload_load_work, offload_store_work
+from kvcompat.testkit.adapter.offload_worker import (
+    REAL,
+    SCRIPTED,
+    offload_load_work,
+    offload_store_work,
+    offload_transfers,
+    offload_worker_handler,
+    offload_worker_kind,
+    prepare_offload_worker,
+    report_offload_blocks,
+)
 from kvcompat.testkit.adapter.platform import select_cpu_platform
 from kvcompat.testkit.adapter.worker import (
-    WorkerStepResult,
-    kv_connector_output_of,
-    merge_child_worker_output,
-    run_worker_step,
+    WorkerRank,
+    aggregator,
+    build_rank,
+    forward_layers,
+    kv_transfer_group,
+    model_runner,
 )
 
 __all__ = [
+    "REAL",
+    "SCRIPTED",
+    "Forward",
+    "expected_block",
+    "same_bytes",
+    "select_cpu_platform",
     "BLOCK_SIZE",
     "EOS_TOKEN_ID",
     "HEAD_SIZE",
@@ -91,31 +115,34 @@ __all__ = [
     "LAYER_NAMES",
     "MAX_MODEL_LEN",
     "NUM_KV_HEADS",
+    "OFFLOAD_CHILD_MODULE",
     "SAMPLED_TOKEN_ID",
     "TINY_MODEL_CONFIG",
     "V1",
-    "OffloadWorkerEmulator",
-    "WorkerStepResult",
+    "WorkerRank",
+    "aggregator",
     "block_hasher",
+    "build_rank",
     "call_with_supported",
+    "child_index",
+    "child_order",
     "create_connector",
+    "forward_layers",
     "group_block_ids",
     "has_offloading_connector",
     "has_simple_cpu_offload",
     "hma_enabled",
     "kv_cache_block",
-    "kv_connector_output_of",
     "kv_connector_role",
+    "kv_transfer_group",
     "make_kv_cache_config",
     "make_kv_caches",
     "make_kv_connector_output",
     "make_model_runner_output",
-    "offload_load_work",
-    "offload_store_work",
     "make_request",
     "make_scheduler",
     "make_vllm_config",
-    "merge_child_worker_output",
+    "model_runner",
     "multi_child_connector",
     "multi_classes",
     "multi_kv_transfer_config",
@@ -126,11 +153,16 @@ __all__ = [
     "offload_child_extra_config",
     "offload_child_name",
     "offload_classes",
+    "offload_load_work",
+    "offload_store_work",
+    "offload_transfers",
+    "offload_worker_handler",
+    "offload_worker_kind",
+    "prepare_offload_worker",
     "remote_decode_params",
     "remote_prefill_params",
+    "report_offload_blocks",
     "resolve_kv_cache_layout",
-    "run_worker_step",
-    "select_cpu_platform",
     "serve_nixl_handshake",
     "supports_hma",
     "write_tiny_model",

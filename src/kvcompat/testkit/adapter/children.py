@@ -50,20 +50,36 @@ def completion_hook() -> str:
     return "get_transfer_results" if "get_transfer_results" in vars(MultiConnector) else "get_finished"
 
 
-def script_completions(monkeypatch: Any, child: Any, rounds: list[tuple[set[str], set[str]]]) -> Calls:
+def _completions(hook: str, sending: set[str], recving: set[str]) -> Any:
+    """(finished_sending, finished_recving) in the shape this release's completion hook returns."""
+    if hook == "get_transfer_results":
+        import importlib
+
+        results = importlib.import_module(V1 + ".base").KVConnectorTransferResults
+        return results(finished_sending=set(sending), finished_recving=set(recving))
+    return (set(sending) or None, set(recving) or None)
+
+
+def script_completions(
+    monkeypatch: Any, child: Any, rounds: list[tuple[set[str], set[str]]], *, add_to_real: bool = False
+) -> Calls:
     """Make ``child`` report (finished_sending, finished_recving) per call, one round per call,
-    then nothing; answered through the hook and in the shape this release asks for."""
+    then nothing; answered through the hook and in the shape this release asks for.  With
+    ``add_to_real`` the child's own answer is kept and the round's ids are added to it (the child
+    goes on reporting its real transfers)."""
     hook = completion_hook()
+    real = getattr(child, hook)
     pending = list(rounds)
 
-    def answer(*_: Any) -> Any:
+    def answer(*args: Any) -> Any:
         sending, recving = pending.pop(0) if pending else (set(), set())
-        if hook == "get_transfer_results":
-            import importlib
-
-            results = importlib.import_module(V1 + ".base").KVConnectorTransferResults
-            return results(finished_sending=set(sending), finished_recving=set(recving))
-        return (set(sending) or None, set(recving) or None)
+        if add_to_real:
+            own = real(*args)
+            own_sending, own_recving = (
+                (own.finished_sending, own.finished_recving) if hook == "get_transfer_results" else own
+            )
+            sending, recving = set(own_sending or ()) | sending, set(own_recving or ()) | recving
+        return _completions(hook, sending, recving)
 
     return spy(monkeypatch, child, hook, answer)
 

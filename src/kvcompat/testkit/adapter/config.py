@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from kvcompat.outcomes import CHILD_ORDER_ENV, CHILD_ORDERS
 from kvcompat.testkit import probes
 from kvcompat.testkit.adapter.capabilities import call_with_supported, has_simple_cpu_offload, offload_child_name
 
@@ -48,10 +50,30 @@ def write_tiny_model(directory: Path) -> Path:
     return directory
 
 
-def offload_child_extra_config(block_size: int, num_gpu_blocks: int) -> dict[str, Any]:
-    """Extra config of the CPU-offload child: room for as many CPU blocks as GPU ones."""
+OFFLOAD_CHILD_MODULE = "kvcompat.testkit.offload_child"
+# The offload child's class under a name no registry has (for factories that read the registry first).
+OFFLOAD_CHILD_ALIAS = "KvcompatCPUOffloadConnector"
+
+
+def child_order() -> str:
+    """The order of MultiConnector's children this cell deploys (its ``order``; nixl-first by default)."""
+    order = os.environ.get(CHILD_ORDER_ENV, CHILD_ORDERS[0])
+    if order not in CHILD_ORDERS:
+        raise ValueError(f"{CHILD_ORDER_ENV}={order!r} is not a child order; use one of {CHILD_ORDERS}")
+    return order
+
+
+def child_index(kind: str, order: str | None = None) -> int:
+    """Where MultiConnector holds the ``"nixl"`` or the ``"offload"`` child, under ``order``."""
+    first = "nixl" if (order or child_order()) == "nixl-first" else "offload"
+    return 0 if kind == first else 1
+
+
+def offload_child_extra_config(block_size: int, num_gpu_blocks: int, world_size: int = 1) -> dict[str, Any]:
+    """Extra config of the CPU-offload child: room for as many CPU blocks as GPU ones, on every rank
+    (``cpu_bytes_to_use`` is for the whole server)."""
     page = 2 * NUM_KV_HEADS * HEAD_SIZE * 4 * block_size  # fp32 K+V per layer per block
-    cpu_bytes = page * len(LAYER_NAMES) * num_gpu_blocks
+    cpu_bytes = page * len(LAYER_NAMES) * num_gpu_blocks * world_size
     if has_simple_cpu_offload():
         return {"cpu_bytes_to_use": cpu_bytes}
     # OffloadingConnector (CPUOffloadingSpec): num_cpu_blocks up to 0.13,
@@ -68,18 +90,45 @@ def _cpu_offloading_spec_module() -> str:
     return "vllm.v1.kv_offload.cpu"
 
 
-def multi_kv_transfer_config(block_size: int, num_gpu_blocks: int, engine_id: str = "kvcompat-engine") -> Any:
-    """KVTransferConfig for MultiConnector([Nixl, CPU offload]); children without engine_id."""
+def factory_reads_registry_first() -> bool:
+    """Probe the release's factory source: does it look a name up in its registry before it imports
+    ``kv_connector_module_path`` (0.19-0.22)?  Then a registered name never reaches our module."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    fn = getattr(KVConnectorFactory, "_get_connector_class_with_compat", KVConnectorFactory.get_connector_class)
+    src = inspect.getsource(fn)
+    registry, module_path = src.find("in cls._registry"), src.find("kv_connector_module_path")
+    return 0 <= registry < module_path
+
+
+def offload_child_config(block_size: int, num_gpu_blocks: int, world_size: int = 1) -> dict[str, Any]:
+    """The CPU-offload child's entry: the release's class, reached through ``kv_connector_module_path``
+    (:mod:`kvcompat.testkit.offload_child`, which brings the CPU stand-in of its CUDA transport along)."""
+    name = OFFLOAD_CHILD_ALIAS if factory_reads_registry_first() else offload_child_name()
+    return {
+        "kv_connector": name,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": OFFLOAD_CHILD_MODULE,
+        "kv_connector_extra_config": offload_child_extra_config(block_size, num_gpu_blocks, world_size),
+    }
+
+
+def multi_kv_transfer_config(
+    block_size: int,
+    num_gpu_blocks: int,
+    engine_id: str = "kvcompat-engine",
+    *,
+    order: str | None = None,
+    world_size: int = 1,
+) -> Any:
+    """KVTransferConfig for MultiConnector with a Nixl and a CPU-offload child in ``order`` (the
+    cell's by default); children without engine_id."""
     from vllm.config import KVTransferConfig
 
-    children = [
-        {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
-        {
-            "kv_connector": offload_child_name(),
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": offload_child_extra_config(block_size, num_gpu_blocks),
-        },
-    ]
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    children = [nixl, offload_child_config(block_size, num_gpu_blocks, world_size)]
+    if child_index("nixl", order) == 1:
+        children.reverse()
     return KVTransferConfig(
         kv_connector="MultiConnector",
         kv_role="kv_both",
@@ -98,8 +147,9 @@ def make_vllm_config(
     max_num_batched_tokens: int = 1024,
     kv_transfer_config: Any = None,
     disable_hybrid_kv_cache_manager: bool | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Any:
-    """VllmConfig with the tiny local model on DeviceConfig("cpu").
+    """VllmConfig with the tiny local model on DeviceConfig("cpu"), ``tensor_parallel_size`` ranks.
 
     ``disable_hybrid_kv_cache_manager=None`` leaves the release's own default, so
     the release decides whether HMA is on (its ``SchedulerConfig`` default became
@@ -109,6 +159,7 @@ def make_vllm_config(
         CacheConfig,
         DeviceConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
     )
@@ -139,11 +190,12 @@ def make_vllm_config(
         cache_dtype="auto",
     )
     if kv_transfer_config is None:
-        kv_transfer_config = multi_kv_transfer_config(block_size, num_gpu_blocks)
+        kv_transfer_config = multi_kv_transfer_config(block_size, num_gpu_blocks, world_size=tensor_parallel_size)
     vllm_config = VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=kv_transfer_config,
     )

@@ -1,97 +1,197 @@
-"""Worker-role connectors driven the way the model runner drives them, one step at a time."""
+"""The worker half of an engine: one worker-role connector per TP rank, driven in the model runner's order.
+
+A rank's connector is what the release's factory builds for the WORKER role (MultiConnector with its
+real children).  Each step runs the release's own model-runner code for KV connectors where it can be
+called on its own, and emulates only the forward pass in between:
+
+* up to 0.33, ``KVConnectorModelRunnerMixin`` (v1/worker/kv_connector_model_runner_mixin.py): its
+  ``_get_kv_connector_output`` context (bind, start_load_kv, wait_for_save, finished transfers, load
+  errors, stats, events, worker metadata, clear) and ``kv_connector_no_forward``; the GPU model runner
+  itself calls ``handle_preemptions`` first and registers the KV caches, which is done here as it does;
+* from 0.34, ``ActiveKVConnector`` (v1/worker/gpu/kv_connector.py): built with the KV caches (it
+  registers them), then ``pre_forward``, ``finish_forward``, ``post_forward`` or ``no_forward``.
+
+The forward pass (:func:`forward_layers`) does what the attention layers' ``maybe_transfer_kv_layer``
+hook does around each layer: ``wait_for_layer_load``, the layer writes its KV, ``save_kv_layer``.
+With more than one rank, their outputs go to the scheduler through the release's
+``KVOutputAggregator`` (built as EngineCore builds it, from the scheduler's connector); with one,
+as with vLLM's single-process executor, unaggregated.  Nothing here forwards to a child, merges what
+children report or builds MultiConnector's structures: MultiConnector does that itself, or fails.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import inspect
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from kvcompat.testkit import probes
 from kvcompat.testkit.adapter.capabilities import V1
-from kvcompat.testkit.adapter.engine import make_kv_connector_output
+from kvcompat.testkit.adapter.config import LAYER_NAMES
+from kvcompat.testkit.adapter.engine import create_connector
+from kvcompat.testkit.adapter.kv_cache import make_kv_caches, resolve_kv_cache_layout
+
+MIXIN = "vllm.v1.worker.kv_connector_model_runner_mixin"
+ACTIVE = "vllm.v1.worker.gpu.kv_connector"
+
+
+class LayerAttentionMetadata:
+    """What a layer's attention metadata is to the connector hooks: present (the hooks skip None)."""
+
+
+def model_runner() -> str:
+    """The model runner whose KV-connector sequence a step follows: ``"mixin"`` where the release
+    ships v1's mixin (up to 0.33), else ``"v2"`` (``ActiveKVConnector``, 0.34)."""
+    return "mixin" if probes.has_module(MIXIN) else "v2"
+
+
+@contextlib.contextmanager
+def kv_transfer_group(connector: Any) -> Iterator[None]:
+    """Make ``connector`` this process's KV transfer group (what a worker process holds) for a while.
+
+    The model runner's code reaches the connector through ``get_kv_transfer_group()``; in a
+    worker process that is the one connector the worker built.  Ranks share this process, so
+    each rank's connector is the group while that rank runs.
+    """
+    state = importlib.import_module("vllm.distributed.kv_transfer.kv_transfer_state")
+    previous = state._KV_CONNECTOR_AGENT
+    state._KV_CONNECTOR_AGENT = connector
+    try:
+        yield
+    finally:
+        state._KV_CONNECTOR_AGENT = previous
+
+
+@contextlib.contextmanager
+def _affinity_kept() -> Iterator[None]:
+    # Nixl's CPU path pins the process to one core (nixl/base_worker.py): the test process keeps its cores.
+    affinity = os.sched_getaffinity(0)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, affinity)
 
 
 @dataclasses.dataclass
-class WorkerStepResult:
-    """What one worker-side connector reported in one step."""
+class WorkerRank:
+    """One TP rank's worker side: its connector, its KV caches and, from 0.34, the runner's ActiveKVConnector."""
 
-    finished_sending: set[str]
-    finished_recving: set[str]
-    failed_recving: set[str]
-    invalid_block_ids: set[int]
-    worker_meta: Any = None
-    stats: Any = None
+    rank: int
+    connector: Any
+    kv_caches: dict[str, Any]
+    vllm_config: Any
+    active: Any = None  # ActiveKVConnector (v2 runner), built at registration
+    registered: bool = False
+
+    def register(self) -> None:
+        """Register the KV caches the way the release's model runner does, once."""
+        from vllm.config import set_current_vllm_config
+
+        with kv_transfer_group(self.connector), set_current_vllm_config(self.vllm_config), _affinity_kept():
+            if model_runner() == "v2":
+                self.active = importlib.import_module(ACTIVE).get_kv_connector(self.vllm_config, self.kv_caches)
+            else:  # gpu_model_runner.initialize_kv_cache: register, then the host-buffer copy op
+                self.connector.register_kv_caches(self.kv_caches)
+                utils = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.utils")
+                if hasattr(self.connector, "set_host_xfer_buffer_ops") and hasattr(utils, "copy_kv_blocks"):
+                    self.connector.set_host_xfer_buffer_ops(utils.copy_kv_blocks)
+        self.registered = True
+
+    def execute(self, scheduler_output: Any, forward: Callable[[WorkerRank], None]) -> Any:
+        """This rank's model-runner step for ``scheduler_output``: the KVConnectorOutput it returns.
+
+        ``forward`` is the forward pass (:func:`forward_layers` with what the layers write); it runs
+        only when the step schedules tokens, as in the runner.
+        """
+        from vllm.config import set_current_vllm_config
+        from vllm.forward_context import set_forward_context
+
+        cfg = self.vllm_config
+        runs_forward = bool(scheduler_output.total_num_scheduled_tokens)
+        with kv_transfer_group(self.connector), set_current_vllm_config(cfg), _affinity_kept():
+            if self.active is not None:  # ActiveKVConnector (v1/worker/gpu/kv_connector.py)
+                if not runs_forward:
+                    return self.active.no_forward(scheduler_output).kv_connector_output
+                with set_forward_context(None, cfg):  # piecewise/eager: pre_forward in the forward context
+                    self.active.pre_forward(scheduler_output)
+                    forward(self)
+                if hasattr(self.active, "finish_forward"):
+                    self.active.finish_forward()
+                return self.active.post_forward(scheduler_output.finished_req_ids)
+            mixin = importlib.import_module(MIXIN).KVConnectorModelRunnerMixin
+            _handle_preemptions(self.connector, scheduler_output)  # gpu_model_runner.execute_model, first
+            if not runs_forward:
+                return mixin.kv_connector_no_forward(scheduler_output, cfg).kv_connector_output
+            with set_forward_context(None, cfg), mixin._get_kv_connector_output(scheduler_output) as output:
+                forward(self)
+            return output
+
+    def shutdown(self) -> None:
+        with _affinity_kept():
+            self.connector.shutdown()
 
 
-def run_worker_step(connector: Any, metadata: Any, finished_req_ids: set[str]) -> WorkerStepResult:
-    """One step of a worker-side connector in the order the model runner's KV
-    connector mixin uses: bind, start_load_kv, wait_for_save, transfer results
-    (``get_transfer_results`` from 0.30, else ``get_finished``), load errors,
-    stats, worker metadata, clear."""
-    connector.bind_connector_metadata(metadata)
-    try:
-        connector.start_load_kv(None)
-        connector.wait_for_save()
-        if hasattr(connector, "get_transfer_results"):
-            r = connector.get_transfer_results(set(finished_req_ids))
-            sending, recving = set(r.finished_sending), set(r.finished_recving)
-            failed = set(getattr(r, "failed_recving", set()) or set())
-        else:
-            s, rv = connector.get_finished(set(finished_req_ids))
-            sending, recving, failed = set(s or ()), set(rv or ()), set()
-        invalid: set[int] = set()
-        if hasattr(connector, "get_block_ids_with_load_errors"):
-            invalid = set(connector.get_block_ids_with_load_errors() or ())
-        stats = connector.get_kv_connector_stats() if hasattr(connector, "get_kv_connector_stats") else None
-        worker_meta = None
-        if hasattr(connector, "build_connector_worker_meta"):
-            worker_meta = connector.build_connector_worker_meta()
-    finally:
-        connector.clear_connector_metadata()
-    return WorkerStepResult(sending, recving, failed, invalid, worker_meta, stats)
+def _handle_preemptions(connector: Any, scheduler_output: Any) -> None:
+    """What v1's gpu_model_runner.execute_model does before anything else: tell the connector about
+    preemptions, with the ids when preempted (0.14-0.18), with the step's metadata every step (0.19+)."""
+    base = importlib.import_module(V1 + ".base").KVConnectorBase_V1
+    if not hasattr(base, "handle_preemptions"):
+        return
+    if "preempted_req_ids" in inspect.signature(base.handle_preemptions).parameters:
+        if scheduler_output.preempted_req_ids:
+            connector.handle_preemptions(scheduler_output.preempted_req_ids)
+    else:
+        connector.handle_preemptions(scheduler_output.kv_connector_metadata)
 
 
-def kv_connector_output_of(result: WorkerStepResult) -> Any:
-    """The KVConnectorOutput a worker whose connector reported ``result`` sends
-    to the scheduler (None when it reported nothing)."""
-    r = result
-    if not (
-        r.finished_sending or r.finished_recving or r.failed_recving or r.invalid_block_ids or r.worker_meta is not None
-    ):
-        return None
-    return make_kv_connector_output(
-        finished_sending=r.finished_sending or None,
-        finished_recving=r.finished_recving or None,
-        kv_connector_worker_meta=r.worker_meta,
-        failed_recving=r.failed_recving,
-        invalid_block_ids=r.invalid_block_ids,
-    )
+def forward_layers(rank: WorkerRank, write_kv: Callable[[str, Any], None]) -> None:
+    """A forward pass as the connector sees it: around each attention layer, what the release's
+    ``maybe_transfer_kv_layer`` does: if metadata is bound, ``wait_for_layer_load`` before the layer,
+    and ``save_kv_layer`` with the layer's KV cache after it; the layer itself writes its KV
+    (``write_kv(layer_name, kv_cache)``)."""
+    connector = rank.connector
+    for name in LAYER_NAMES:
+        hooked = connector.has_connector_metadata()
+        if hooked:
+            connector.wait_for_layer_load(name)
+        write_kv(name, rank.kv_caches[name])
+        if hooked:
+            connector.save_kv_layer(name, rank.kv_caches[name], LayerAttentionMetadata())
 
 
-def merge_child_worker_output(
-    kv_connector_output: Any, child: WorkerStepResult, *, n_children: int, child_index: int
-) -> Any:
-    """Add one child's worker results to a step's KVConnectorOutput (or None), the
-    way MultiConnector aggregates its children on the worker side: request-id sets
-    are unioned, and worker metadata goes into ``MultiKVConnectorWorkerMetadata``
-    at the child's index."""
-    out = kv_connector_output
-    sending = set(getattr(out, "finished_sending", None) or ()) | child.finished_sending
-    recving = set(getattr(out, "finished_recving", None) or ()) | child.finished_recving
-    failed = set(getattr(out, "failed_recving", None) or ()) | child.failed_recving
-    invalid = set(getattr(out, "invalid_block_ids", None) or ()) | child.invalid_block_ids
-    prev_meta = getattr(out, "kv_connector_worker_meta", None)
-    worker_meta = prev_meta
-    if child.worker_meta is not None:
-        metas: list[Any] = list(prev_meta.metadata) if prev_meta is not None else [None] * n_children
-        metas[child_index] = child.worker_meta
-        mod = importlib.import_module(V1 + ".multi_connector")
-        worker_meta = mod.MultiKVConnectorWorkerMetadata(metadata=tuple(metas))
-    if not (sending or recving or failed or invalid or worker_meta is not None):
-        return None
-    return make_kv_connector_output(
-        finished_sending=sending or None,
-        finished_recving=recving or None,
-        kv_connector_worker_meta=worker_meta,
-        failed_recving=failed,
-        invalid_block_ids=invalid,
-    )
+def build_rank(
+    vllm_config: Any, kv_cache_config: Any, rank: int = 0, build: Callable[..., Any] = create_connector
+) -> WorkerRank:
+    """A worker rank: the KV-cache layout resolved as EngineCore does, the WORKER-role connector from
+    ``build`` (the release's factory), and CPU KV caches placed as the model runner places them.
+    The caches are not registered yet (:meth:`WorkerRank.register`)."""
+    from vllm.config import set_current_vllm_config
+
+    resolve_kv_cache_layout(vllm_config, kv_cache_config)
+    role = importlib.import_module(V1 + ".base").KVConnectorRole.WORKER
+    with set_current_vllm_config(vllm_config), _affinity_kept():
+        connector = build(vllm_config, role, kv_cache_config)
+    return WorkerRank(rank, connector, make_kv_caches(kv_cache_config), vllm_config)
+
+
+def aggregator(scheduler_connector: Any, world_size: int) -> Any:
+    """The release's KVOutputAggregator, as EngineCore has the executor build it."""
+    utils = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.utils")
+    return utils.KVOutputAggregator.from_connector(scheduler_connector, world_size)
+
+
+def simple_cpu_offload_blocks(ranks: list[WorkerRank]) -> int | None:
+    """What EngineCore asks the workers at startup (0.34: ``get_simple_cpu_offload_num_blocks``): each
+    worker's SimpleCPUOffload connector's aligned CPU block count, found the worker's way, the
+    smallest of them; None when no worker reports one."""
+    connector_mod = importlib.import_module(V1 + ".simple_cpu_offload_connector")
+    counts = []
+    for r in ranks:
+        found = connector_mod._find_simple_cpu_offload_connector(r.connector)
+        counts.append(found.get_aligned_num_cpu_blocks() if found is not None else None)
+    known = [c for c in counts if c is not None]
+    return min(known) if known else None

@@ -1,0 +1,77 @@
+"""What a forward pass writes into the KV cache, deterministic from the tokens, so a moved block can be checked.
+
+The suite runs no model.  In a step that schedules tokens, each attention layer writes the KV of the
+positions it computes into the request's blocks; here a block's KV is a pattern that depends only on
+the layer and the tokens up to the block's end (as a real model's KV depends on the prefix), so the
+same prefix gives the same bytes in any block, on any rank.  A block that a connector loaded from
+somewhere else must hold exactly :func:`expected_block` for its tokens, byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from kvcompat.testkit.adapter.config import BLOCK_SIZE, LAYER_NAMES
+from kvcompat.testkit.adapter.kv_cache import group_block_ids, kv_cache_block
+
+NULL_BLOCK = 0  # vLLM's null block (block pool id 0): never written
+
+
+def _base(layer: str, tokens: list[int]) -> int:
+    digest = hashlib.sha256(f"{layer}|{','.join(map(str, tokens))}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") % 1000 + 1
+
+
+def fill_block(view: Any, layer: str, tokens: list[int]) -> None:
+    """Write the KV of ``tokens`` (the prefix up to this block's end) into one block's view of a layer.
+
+    Values ``base * 8192 + i`` are exact in float32 and differ per element, so a copy of the wrong
+    block, a shifted copy or a copy of part of a block all read back differently.
+    """
+    import torch
+
+    base = _base(layer, tokens)
+    n = view.numel()
+    view.copy_((base * 8192 + torch.arange(n, dtype=torch.float32)).view(view.shape))
+
+
+def expected_block(cache: Any, layer: str, tokens: list[int]) -> Any:
+    """The block a forward pass over ``tokens`` leaves in ``cache`` (a layer's KV cache tensor)."""
+    view = kv_cache_block(cache, NULL_BLOCK, BLOCK_SIZE).clone()
+    fill_block(view, layer, tokens)
+    return view
+
+
+def same_bytes(a: Any, b: Any) -> bool:
+    """Whether two blocks hold the same bytes (compared as raw 32-bit words, so any bit counts)."""
+    import torch
+
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+class Forward:
+    """The KV writes of one scheduled step: for each scheduled request, the blocks it computes."""
+
+    def __init__(self, scheduler: Any, scheduler_output: Any, kv_cache_config: Any) -> None:
+        self.writes: list[tuple[str, int, list[int]]] = []  # (layer, block id, tokens up to the block's end)
+        group_of = {name: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for name in grp.layer_names}
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = scheduler.requests.get(req_id)
+            if request is None or not n:
+                continue
+            end = request.num_computed_tokens  # schedule() has already counted this step's tokens
+            start = end - n
+            tokens = list(request.all_token_ids)
+            block_ids = scheduler.kv_cache_manager.get_block_ids(req_id)
+            for layer in LAYER_NAMES:
+                ids = group_block_ids(block_ids, group_of[layer])
+                for j in range(start // BLOCK_SIZE, -(-end // BLOCK_SIZE)):
+                    if j < len(ids) and ids[j] != NULL_BLOCK:
+                        self.writes.append((layer, ids[j], tokens[: min(end, (j + 1) * BLOCK_SIZE)]))
+
+    def write_kv(self, layer: str, cache: Any) -> None:
+        """What layer ``layer``'s attention writes into its KV cache ``cache`` in this step."""
+        for name, block_id, tokens in self.writes:
+            if name == layer:
+                fill_block(kv_cache_block(cache, block_id, BLOCK_SIZE), layer, tokens)

@@ -1,0 +1,235 @@
+"""What MultiConnector composes from its children: capabilities, per-request answers, stats, shutdown.
+
+MultiConnector answers for the deployment: the KV-cache layout and access the engine prepares for,
+whether sleep mode is allowed, which child a cache hit came from and which KV-cache groups it
+restored, the transfer stats users see, and whether shutting down went well.  Each answer must come
+from its children (all of them, or the one loading the request); each test compares MultiConnector's
+answer with the children's own, in the cell's child order.  A capability this release's connector
+API does not have is not applicable (an explicit probe of the base class).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import pytest
+
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit import not_applicable
+from kvcompat.testkit.adapter import children as ch
+
+from conftest import BLOCK, token_ids
+
+
+def _child_classes_and_configs(vllm_config) -> list[tuple[type, Any]]:
+    MultiConnector, _ = va.multi_classes()
+    return MultiConnector._get_connector_classes_and_configs(vllm_config)
+
+
+def _ktc_with_nixl(engine, **nixl_overrides) -> Any:
+    """The engine's KVTransferConfig with the Nixl child's entry changed (another deployment's)."""
+    from vllm.config import KVTransferConfig
+
+    ktc = engine.vllm_config.kv_transfer_config
+    kids = [dict(c) for c in ktc.kv_connector_extra_config["connectors"]]
+    kids[engine.nixl_index].update(nixl_overrides)
+    return KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role=ktc.kv_role,
+        kv_buffer_device="cpu",
+        engine_id=ktc.engine_id,
+        kv_connector_extra_config={"connectors": kids},
+    )
+
+
+def _child_ktc(parent: Any, child: dict) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(**{"engine_id": parent.engine_id, **child})
+
+
+# ---------------------------------------------------------------------------
+# KV-cache layout
+# ---------------------------------------------------------------------------
+def test_required_kv_cache_layout_is_the_nixl_childs(engine):
+    """The KV-cache layout MultiConnector requires is the one its Nixl child requires (HND, LBHNC from
+    0.29), whatever the order: the engine allocates its KV cache in it, so a MultiConnector prefill and
+    a plain-Nixl decode lay out blocks the same way.  A layout lost in the composition makes them
+    disagree and corrupts every transfer between them."""
+    MultiConnector, _ = va.multi_classes()
+    NixlConnector, _ = va.nixl_classes()
+    answers = [
+        (cls.__name__, cls.get_required_kvcache_layout(cfg))
+        for cls, cfg in _child_classes_and_configs(engine.vllm_config)
+    ]
+    nixl_cls, nixl_cfg = _child_classes_and_configs(engine.vllm_config)[engine.nixl_index]
+    assert issubclass(nixl_cls, NixlConnector)
+    nixl_layout = nixl_cls.get_required_kvcache_layout(nixl_cfg)
+    assert nixl_layout is not None, f"the Nixl child requires no layout here: {answers}"
+    got = MultiConnector.get_required_kvcache_layout(engine.vllm_config)
+    assert got == nixl_layout, f"MultiConnector requires {got!r}; its children require {answers}"
+
+
+# ---------------------------------------------------------------------------
+# KV-cache access (0.34)
+# ---------------------------------------------------------------------------
+def test_kv_cache_access_is_composed_from_every_child(engine):
+    """How the deployment reaches the device KV cache is every child's need together: with Nixl on a
+    GPU buffer (REGISTERS | EXPORTS_FABRIC) the engine must allocate a registrable, exportable cache,
+    whichever child comes first; with Nixl on a CPU buffer nothing beyond in-process access."""
+    MultiConnector, _ = va.multi_classes()
+    if "kv_cache_access" not in vars(ch.base_class()):
+        not_applicable("the release's connector API has no kv_cache_access")
+    factory = importlib.import_module(va.KV_BASE + ".factory").KVConnectorFactory
+    for buffer_device in ("cuda", "cpu"):
+        ktc = _ktc_with_nixl(engine, kv_buffer_device=buffer_device)
+        kids = [_child_ktc(ktc, c) for c in ktc.kv_connector_extra_config["connectors"]]
+        want = 0
+        for k in kids:
+            want |= factory.get_connector_class(k).kv_cache_access(k)
+        got = MultiConnector.kv_cache_access(ktc)
+        assert got == want, f"Nixl on {buffer_device}: MultiConnector says {got!r}, its children need {want!r}"
+    assert MultiConnector.kv_cache_access(_ktc_with_nixl(engine, kv_buffer_device="cuda")), (
+        "a GPU-buffer Nixl child's access is lost: the engine would allocate a cache NIXL cannot register"
+    )
+
+
+# ---------------------------------------------------------------------------
+# sleep mode (0.33)
+# ---------------------------------------------------------------------------
+def test_sleep_mode_only_when_every_child_supports_it(engine):
+    """Sleep mode is allowed for MultiConnector only when every child supports it: with Nixl on UCX
+    (supported) and the CPU-offload child, yes; with Nixl on another backend (not validated for sleep
+    mode), no, whatever the order: the engine must refuse enable_sleep_mode rather than break Nixl."""
+    MultiConnector, _ = va.multi_classes()
+    if "supports_sleep_mode" not in vars(ch.base_class()):
+        not_applicable("the release's connector API has no supports_sleep_mode")
+    factory = importlib.import_module(va.KV_BASE + ".factory").KVConnectorFactory
+    for backends in (["UCX"], ["UCX", "GDS"]):
+        extra = {"backends": backends}
+        ktc = _ktc_with_nixl(engine, kv_connector_extra_config=extra)
+        kids = [_child_ktc(ktc, c) for c in ktc.kv_connector_extra_config["connectors"]]
+        want = all(factory.get_connector_class(k).supports_sleep_mode(k) for k in kids)
+        got = MultiConnector.supports_sleep_mode(ktc)
+        assert got is want, f"Nixl on {backends}: MultiConnector says {got}, its children {want}"
+
+
+# ---------------------------------------------------------------------------
+# per-request answers: the loading child's
+# ---------------------------------------------------------------------------
+def test_cache_hit_source_and_restored_groups_are_the_loading_childs(pd):
+    """For a request a child loads, MultiConnector reports that child's cache-hit source (the
+    prompt-tokens-by-source metric: host for the CPU tier, p2p for Nixl) and that child's restored
+    KV-cache groups (which decide the blocks the scheduler zeroes), never the other child's."""
+    if not hasattr(ch.base_class(), "get_external_cache_hit_sources"):
+        not_applicable("the release's connector API has no cache-hit sources (get_external_cache_hit_sources)")
+    p, d = pd
+    local = token_ids(3 * BLOCK + 5)
+    d.scheduler.add_request(va.make_request("src", local, max_tokens=2))
+    d.run(["src"])
+    d.run_until_idle()
+    assert d.scheduler.reset_prefix_cache()
+    remote_prompt = token_ids(3 * BLOCK + 5, start=200)
+    cases = {
+        "offload": va.make_request("from-cpu", local, max_tokens=2),
+        "nixl": va.make_request(
+            "from-p", remote_prompt, max_tokens=2, kv_transfer_params=p.prefill("from-p", remote_prompt)
+        ),
+    }
+    for kind, req in cases.items():
+        d.scheduler.add_request(req)
+        toks, _ = d.multi.get_num_new_matched_tokens(req, 0)
+        assert toks, f"no child has tokens for the {kind} request"
+        loader = d.multi._connectors[{"nixl": d.nixl_index, "offload": d.offload_index}[kind]]
+        other = d.multi._connectors[1 - d.multi._connectors.index(loader)]
+        want = loader.get_external_cache_hit_sources(req, toks)
+        got = d.multi.get_external_cache_hit_sources(req, toks)
+        assert got == want, f"{kind} load: MultiConnector reports sources {got}, the loading child {want}"
+        assert got != other.get_external_cache_hit_sources(req, toks), "both children report the same source"
+        if hasattr(ch.base_class(), "get_loaded_kv_cache_group_ids"):
+            want_groups = loader.get_loaded_kv_cache_group_ids(req)
+            assert d.multi.get_loaded_kv_cache_group_ids(req) == want_groups
+    d.run(["from-cpu", "from-p"])
+
+
+# ---------------------------------------------------------------------------
+# stats: per child, added up over ranks and steps
+# ---------------------------------------------------------------------------
+def _counted_stats_class() -> type:
+    Stats = ch.kv_connector_stats_class()
+
+    @dataclasses.dataclass
+    class Counted(Stats):
+        def aggregate(self, other):
+            return Counted(data={"n": self.data.get("n", 0) + other.data.get("n", 0)})
+
+        def reset(self):
+            self.data = {"n": 0}
+
+        def reduce(self):
+            return dict(self.data)
+
+        def is_empty(self):
+            return not self.data.get("n")
+
+    return Counted
+
+
+def test_transfer_stats_add_up_across_ranks_and_steps(make_engine, monkeypatch):
+    """The transfer stats reach the user per child: what Nixl's worker reports on each rank is added
+    up by the release's aggregator, the CPU-offload child's own stats (kept on the scheduler side,
+    from 0.31) join them under its name, and a step's stats added to the next ones (as the stats
+    logger does) keep each child's running total."""
+    if ch.kv_connector_stats_class() is None or not ch.multi_overrides("get_kv_connector_stats"):
+        not_applicable("no KV-connector stats in this release")
+    Counted = _counted_stats_class()
+    engine = make_engine(tensor_parallel_size=2)
+    for rank in engine.ranks:  # Nixl's worker reports one unit of transfer per step on each rank
+        ch.spy(
+            monkeypatch,
+            rank.connector._connectors[engine.nixl_index],
+            "get_kv_connector_stats",
+            lambda: Counted(data={"n": 1}),
+        )
+    nixl_name = type(engine.worker._connectors[engine.nixl_index]).__name__
+    offload_own = engine.offload.get_kv_connector_stats()  # the scheduler-side child's own stats, if any
+    engine.scheduler.add_request(va.make_request("stats", token_ids(BLOCK + 5), max_tokens=3))
+    steps = 3
+    for _ in range(steps):
+        engine.step()
+    per_step = [o.kv_connector_stats for o in engine.kv_outputs[-steps:]]
+    for s in per_step:
+        assert s is not None, "a step's stats never reached the scheduler"
+        assert s.data[nixl_name].data["n"] == 2, f"one step, two ranks: {s.data}"
+    total = per_step[0]
+    for s in per_step[1:]:
+        total = total.aggregate(s)
+    assert total.data[nixl_name].data["n"] == 2 * steps, f"{steps} steps, two ranks: {total.data}"
+    if offload_own is not None:
+        offload_name = type(engine.offload).__name__
+        assert offload_name in total.data, f"the CPU-offload child's stats were dropped: {sorted(total.data)}"
+
+
+# ---------------------------------------------------------------------------
+# shutdown
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("failing", ["nixl", "offload"])
+def test_child_shutdown_error_reaches_the_caller_and_the_other_child_still_shuts_down(engine, monkeypatch, failing):
+    """When one child fails to shut down, its error reaches whoever shuts MultiConnector down (the
+    engine logs and reports it), and the other child is still shut down (its threads and NIXL agent
+    released), whichever child fails."""
+    multi = engine.worker
+    bad = {"nixl": engine.nixl_index, "offload": engine.offload_index}[failing]
+    raised: list[bool] = []
+
+    def boom(*_a):
+        if not raised:  # once: the engine's own shutdown at the end of the test goes through
+            raised.append(True)
+            raise RuntimeError(f"{failing} child failed to shut down")
+
+    calls = [ch.spy(monkeypatch, c, "shutdown", boom if i == bad else None) for i, c in enumerate(multi._connectors)]
+    with pytest.raises(RuntimeError, match=f"{failing} child failed to shut down"):
+        multi.shutdown()
+    assert [len(c) for c in calls] == [1, 1], f"shutdown calls per child: {[len(c) for c in calls]}"
