@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import not_applicable, probes, setup_owned_by
+from kvcompat.testkit import not_applicable, probes, record_fact, setup_owned_by
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,6 +54,9 @@ WORKER_UP = "test_register_kv_caches_reaches_every_child"
 # The contract that owns the Nixl handshake through MultiConnector (test_multi_lifecycle.py): every
 # prefill/decode pair needs it.
 HANDSHAKE = "test_nixl_handshake_metadata_comes_out_and_goes_to_every_child"
+# The contract that owns "a finished request's full blocks end up in the CPU tier, which serves them"
+# (test_multi_scheduler.py): every test that needs a stored prefix needs it.
+STORED = "test_offload_child_loads_prefix_after_store_completes"
 P_ENGINE = "kvcompat-prefill"
 D_ENGINE = "kvcompat-decode"
 MAX_IDLE_STEPS = 60  # what an engine may take to drain once its requests are done
@@ -91,14 +94,16 @@ def release() -> dict[str, Any]:
     if missing is not None:
         not_applicable(missing)
     how = va.select_cpu_platform()
-    return {
-        "version": probes.vllm_version(),
+    facts = {
         "platform": how,
-        "offload_child": va.offload_child_name(),
-        "order": va.child_order(),
-        "offload_worker": va.offload_worker_kind(),
-        "model_runner": va.model_runner(),
+        "child order": va.child_order(),
+        "offload child": va.offload_child_name(),
+        "offload worker": va.offload_worker_kind(),
+        "model runner": va.model_runner(),
     }
+    for name, value in facts.items():
+        record_fact(name, value)
+    return {"version": probes.vllm_version(), **facts}
 
 
 @pytest.fixture(scope="session")
@@ -122,6 +127,8 @@ class Engine:
     ranks: list[va.WorkerRank]
     order: str
     aggregator: Any = None  # the release's KVOutputAggregator, when there is more than one rank
+    baseline_free: int = 0  # free blocks when nothing holds any (set when built)
+    transfers: Any = None  # what moves the CPU-offload child's blocks (the `transport` fixture)
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     metas: list[Any] = field(default_factory=list)
     sched_outputs: list[Any] = field(default_factory=list)
@@ -187,12 +194,25 @@ class Engine:
         raise AssertionError(f"requests {missing} did not finish in {max_steps} steps")
 
     def run_until_idle(self, max_steps: int = MAX_IDLE_STEPS) -> int:
-        """Step while the scheduler says it has work, as EngineCore's loop does; return the steps taken."""
+        """Step while the scheduler says it has work, as EngineCore's loop does; return the steps taken.
+
+        Only the contract that the engine keeps stepping while work is pending relies on this; other
+        tests bring an engine to rest with :meth:`settle`, which steps whether or not the scheduler
+        asks for it (as new traffic would)."""
         for n in range(max_steps):
             if not self.scheduler.has_requests():
                 return n
             self.step()
         raise AssertionError(f"the engine still had work after {max_steps} idle steps")
+
+    def settle(self, max_steps: int = MAX_IDLE_STEPS) -> int:
+        """Step until no request holds a block any more (stores done, sends read), or ``max_steps``, as
+        an engine that keeps serving traffic does; return the steps taken (the caller checks the blocks)."""
+        for n in range(max_steps):
+            if self.free_blocks() == self.baseline_free and not self.scheduler.has_unfinished_requests():
+                return n
+            self.step()
+        return max_steps
 
     def finished_output(self, req_id: str) -> Any:
         for o in self.outputs.get(req_id, []):
@@ -304,6 +324,8 @@ def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, tr
                 ranks[-1].register()
             va.report_offload_blocks(cfg, ranks)
         engine = Engine(va.make_scheduler(cfg, kvc), cfg, kvc, ranks, order)
+        engine.baseline_free = engine.free_blocks()
+        engine.transfers = transport
         if tensor_parallel_size > 1:
             engine.aggregator = va.aggregator(engine.multi, tensor_parallel_size)
         engines.append(engine)
@@ -328,6 +350,19 @@ def pd(make_engine) -> tuple[Engine, Engine]:
     with setup_owned_by(HANDSHAKE):
         va.serve_nixl_handshake(p.multi, p.worker)
     return p, make_engine(engine_id=D_ENGINE)
+
+
+def stored_prefix(engine: Engine, prompt: list[int], req_id: str) -> None:
+    """A prefix in the CPU tier, as another test's contract gives it: run a request with ``prompt`` to
+    its end, let the engine settle (its stores done) and drop the local GPU prefix cache, checking that
+    the CPU-offload child stored something.  A release where this fails is that contract's finding (a
+    test error here, blocked by it).  (Asking the child for a hit here would pin it, as no engine does.)"""
+    with setup_owned_by(STORED):
+        engine.scheduler.add_request(va.make_request(req_id, prompt, max_tokens=2))
+        engine.run([req_id])
+        engine.settle()
+        assert engine.transfers.stores(), "the CPU-offload child stored nothing of the finished request"
+        assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine settled"
 
 
 def pd_read_is_byte_exact(p: Engine, d: Engine, rid: str, prompt: list[int]) -> str:
@@ -364,7 +399,6 @@ def pd_read_is_byte_exact(p: Engine, d: Engine, rid: str, prompt: list[int]) -> 
                 )
                 compared += 1
     d.run([rid])
-    p.run_until_idle()
     for _ in range(100):
         if rid not in p.scheduler.requests:
             break

@@ -119,17 +119,17 @@ def test_sleep_mode_only_when_every_child_supports_it(engine):
 # ---------------------------------------------------------------------------
 # per-request answers: the loading child's
 # ---------------------------------------------------------------------------
-def test_cache_hit_source_and_restored_groups_are_the_loading_childs(pd):
+def test_cache_hit_source_and_restored_groups_are_the_loading_childs(request):
     """For a request a child loads, MultiConnector reports that child's cache-hit source (the
     prompt-tokens-by-source metric: host for the CPU tier, p2p for Nixl) and that child's restored
     KV-cache groups (which decide the blocks the scheduler zeroes), never the other child's."""
     if not hasattr(ch.base_class(), "get_external_cache_hit_sources"):
         not_applicable("the release's connector API has no cache-hit sources (get_external_cache_hit_sources)")
-    p, d = pd
+    p, d = request.getfixturevalue("pd")
     local = token_ids(3 * BLOCK + 5)
     d.scheduler.add_request(va.make_request("src", local, max_tokens=2))
     d.run(["src"])
-    d.run_until_idle()
+    d.settle()
     assert d.scheduler.reset_prefix_cache()
     remote_prompt = token_ids(3 * BLOCK + 5, start=200)
     cases = {
@@ -207,9 +207,18 @@ def test_transfer_stats_add_up_across_ranks_and_steps(make_engine, monkeypatch):
     for s in per_step[1:]:
         total = total.aggregate(s)
     assert total.data[nixl_name].data["n"] == 2 * steps, f"{steps} steps, two ranks: {total.data}"
+    names = [nixl_name]
     if offload_own is not None:
-        offload_name = type(engine.offload).__name__
-        assert offload_name in total.data, f"the CPU-offload child's stats were dropped: {sorted(total.data)}"
+        names.append(type(engine.offload).__name__)
+        assert names[1] in total.data, f"the CPU-offload child's stats were dropped: {sorted(total.data)}"
+    # What the stats logger prints and serializes: every child's own, under its name.
+    reduced = total.reduce()
+    assert set(names) <= set(reduced) and reduced[nixl_name] == {"n": 2 * steps}, f"reduce(): {reduced}"
+    if hasattr(total, "to_dict"):
+        assert set(names) <= set(total.to_dict()), f"to_dict(): {sorted(total.to_dict())}"
+    assert not total.is_empty(), "stats with transfers in them count as empty"
+    total.reset()
+    assert total.data[nixl_name].data["n"] == 0, "reset() left a child's stats as they were"
 
 
 # ---------------------------------------------------------------------------
@@ -233,3 +242,28 @@ def test_child_shutdown_error_reaches_the_caller_and_the_other_child_still_shuts
     with pytest.raises(RuntimeError, match=f"{failing} child failed to shut down"):
         multi.shutdown()
     assert [len(c) for c in calls] == [1, 1], f"shutdown calls per child: {[len(c) for c in calls]}"
+
+
+# ---------------------------------------------------------------------------
+# sleep mode: the KV caches unregistered and restored on every child
+# ---------------------------------------------------------------------------
+def test_sleep_and_wake_unregister_and_restore_the_kv_caches_on_every_child(engine, nixl_agent, monkeypatch):
+    """A worker going to sleep unregisters the KV caches with the connector, and waking restores them
+    (gpu_worker.sleep / wake_up): through MultiConnector every child drops its registrations (Nixl
+    deregisters its memory from NIXL, so no peer reads freed memory) and registers them again."""
+    base = ch.base_class()
+    if not hasattr(base, "unregister_kv_caches"):
+        not_applicable("the release's connector API has no unregister_kv_caches (no sleep-mode remap)")
+    multi = engine.worker
+    calls = {
+        n: [ch.spy(monkeypatch, c, n) for c in multi._connectors] for n in ("unregister_kv_caches", "restore_kv_caches")
+    }
+    (agent,) = nixl_agent.instances
+    registered = len(agent.registered)
+    assert registered, "the Nixl child registered nothing at startup"
+    multi.unregister_kv_caches()
+    assert [len(c) for c in calls["unregister_kv_caches"]] == [1, 1], "a child kept its registrations over sleep"
+    assert not agent.registered, "Nixl still has KV-cache memory registered with NIXL while asleep"
+    multi.restore_kv_caches()
+    assert [len(c) for c in calls["restore_kv_caches"]] == [1, 1], "a child did not restore its registrations"
+    assert len(agent.registered) == registered, "Nixl's KV-cache memory was not registered again on wake"

@@ -19,7 +19,7 @@ from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable
 from kvcompat.testkit.adapter import children as ch
 
-from conftest import BLOCK, token_ids
+from conftest import BLOCK, stored_prefix, token_ids
 
 
 def _finish_hooks(child) -> list[str]:
@@ -40,13 +40,6 @@ def _held(engine, req_id: str) -> bool:
 
 def _free_blocks(engine) -> int:
     return engine.free_blocks()
-
-
-def _stored_prefix(engine, prompt, req_id: str) -> None:
-    """Run a request to its end, the engine drained: its full blocks are in the CPU tier."""
-    engine.scheduler.add_request(va.make_request(req_id, prompt, max_tokens=2))
-    engine.run([req_id])
-    engine.run_until_idle()
 
 
 # ---------------------------------------------------------------------------
@@ -90,7 +83,10 @@ def test_finished_sending_once_after_both_savers_then_blocks_freed_once(engine, 
     for i, child in enumerate(engine.worker._connectors):
         done_at = order.index(i)
         rounds = [({req_id} if r == done_at else set(), set()) for r in range(3)]
-        ch.script_completions(monkeypatch, child, rounds, add_to_real=True)
+        # A child whose worker reports this send itself (OffloadingConnector's, whose stores of the request
+        # are real saves) answers only as scripted; the others go on reporting their own transfers too.
+        own_send = i == engine.offload_index and va.offload_worker_kind() == va.SCRIPTED
+        ch.script_completions(monkeypatch, child, rounds, add_to_real=not own_send)
     reported = []
     for _ in range(3):
         engine.step()
@@ -102,7 +98,7 @@ def test_finished_sending_once_after_both_savers_then_blocks_freed_once(engine, 
         "the worker never learnt of the second saver"
     )
     assert reported == [set(), {req_id}, set()], f"finished_sending per round: {reported}"
-    engine.run_until_idle()
+    engine.settle()
     assert not _held(engine, req_id), "blocks never freed"
     assert _free_blocks(engine) == free_before, "blocks leaked or freed twice"
 
@@ -156,8 +152,7 @@ def test_failed_load_tokens_are_recomputed_not_counted(engine, monkeypatch):
     if "invalid_block_ids" not in va.capabilities._field_names(KVConnectorOutput):
         not_applicable("this release's KVConnectorOutput has no invalid_block_ids (no load-failure recovery)")
     prompt = token_ids(3 * BLOCK + 5)
-    _stored_prefix(engine, prompt, "fail-src")
-    assert engine.scheduler.reset_prefix_cache()
+    stored_prefix(engine, prompt, "fail-src")
     # The offload child's worker: its load of fail-dst completes, and block 1 of it failed.
     child = engine.worker._connectors[engine.offload_index]
     hook = ch.completion_hook()
@@ -178,9 +173,7 @@ def test_failed_load_tokens_are_recomputed_not_counted(engine, monkeypatch):
     req = va.make_request("fail-dst", prompt, max_tokens=2)
     engine.scheduler.add_request(req)
     engine.step()
-    assert engine.multi._requests_to_connector.get("fail-dst") == engine.offload_index, (
-        "the CPU-offload child did not take the load"
-    )
+    assert engine.transfers.loads(), "the CPU-offload child did not take the load"
     for _ in range(20):
         if failed:
             break
@@ -255,7 +248,7 @@ def test_preempted_request_with_a_store_in_flight_is_freed_exactly_once(make_eng
     if not preempted:
         pytest.fail("the scheduler never preempted a request: the scenario was not built")
     assert engine.finished_output("pre-a") and engine.finished_output("pre-b"), "requests did not finish"
-    engine.run_until_idle()
+    engine.settle()
     assert engine.scheduler.reset_prefix_cache(), "blocks still held after every store completed"
     assert _free_blocks(engine) == free_before, "blocks leaked or freed twice around the preemption"
 
@@ -274,18 +267,18 @@ def test_finished_recving_of_every_child_reaches_the_scheduler(engine, monkeypat
 
 
 @pytest.mark.parametrize("child", ["nixl", "offload"])
-def test_finished_recving_unblocks_the_waiting_request(pd, transport, nixl_agent, child):
+def test_finished_recving_unblocks_the_waiting_request(request, transport, nixl_agent, child):
     """A request waiting for an async load (Nixl's read from the prefill side, or the CPU-offload
     child's load of its stored prefix) waits while the load is in flight and runs again, to its end,
     once the load is reported finished."""
     from vllm.v1.request import RequestStatus
 
-    p, engine = pd
+    # Nixl's read needs a prefill side; the CPU tier needs none (and no handshake).
+    p, engine = request.getfixturevalue("pd") if child == "nixl" else (None, request.getfixturevalue("engine"))
     n = 3 * BLOCK + 5
     prompt = token_ids(n, start=50 if child == "nixl" else 10)
     if child == "offload":
-        _stored_prefix(engine, prompt, "recv-src")
-        assert engine.scheduler.reset_prefix_cache()
+        stored_prefix(engine, prompt, "recv-src")
         req = va.make_request("recv-dst", prompt, max_tokens=2)
         transport.hold()  # the load stays in flight
     else:
@@ -355,10 +348,7 @@ def test_reset_cache_goes_to_both_children_and_clears_the_offloaded_prefix(engin
     if "reset_connector" not in inspect.signature(engine.scheduler.reset_prefix_cache).parameters:
         not_applicable("the scheduler cannot reset connectors' caches in this release")
     prompt = token_ids(3 * BLOCK + 5)
-    _stored_prefix(engine, prompt, "reset-src")
-    # stored and reported done (asking the child for a hit here would pin it, as no engine does)
-    assert transport.stores(), "nothing stored to reset"
-    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held before the connector reset"
+    stored_prefix(engine, prompt, "reset-src")
     calls = [ch.spy(monkeypatch, c, "reset_cache") for c in engine.multi._connectors]
     assert engine.scheduler.reset_prefix_cache(reset_connector=True) is True
     assert [len(c) for c in calls] == [1, 1], f"reset_cache calls per child: {[len(c) for c in calls]}"

@@ -11,9 +11,9 @@ from __future__ import annotations
 from packaging.version import Version
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import probes
+from kvcompat.testkit import probes, setup_owned_by
 
-from conftest import BLOCK, token_ids
+from conftest import BLOCK, STORED, stored_prefix, token_ids
 
 
 def _release_at_least(v: str) -> bool:
@@ -23,15 +23,6 @@ def _release_at_least(v: str) -> bool:
 def _request_block_ids(engine, req_id: str) -> list[list[int]]:
     """Block ids the scheduler allocated to a live request, per KV-cache group."""
     return [list(g) for g in engine.scheduler.kv_cache_manager.get_block_ids(req_id)]
-
-
-def _warm_offload_cache(engine, prompt: list[int], req_id: str) -> None:
-    """Run a request with ``prompt`` to completion, the engine drained (its stores done), then clear
-    the local GPU prefix cache so only the connectors can hit."""
-    engine.scheduler.add_request(va.make_request(req_id, prompt, max_tokens=2))
-    engine.run([req_id])
-    engine.run_until_idle()
-    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine went idle"
 
 
 # ---------------------------------------------------------------------------
@@ -49,13 +40,14 @@ def test_remote_prefill_request_is_loaded_by_the_first_child_with_tokens(pd):
     p, d = pd
     n = 3 * BLOCK + 5
     prompt = token_ids(n)
-    _warm_offload_cache(d, prompt, "warm-1")
+    stored_prefix(d, prompt, "warm-1")
     params = p.prefill("decode-1", prompt)
     req = va.make_request("decode-1", prompt, max_tokens=4, kv_transfer_params=params)
     d.scheduler.add_request(req)
 
     offload_hit = d.offload.get_num_new_matched_tokens(req, 0)[0]
-    assert offload_hit == 3 * BLOCK, f"the CPU-offload child holds {offload_hit} tokens, not the 3 stored blocks"
+    with setup_owned_by(STORED):  # that the CPU tier serves a stored prompt is that contract
+        assert offload_hit == 3 * BLOCK, f"the CPU-offload child holds {offload_hit} tokens, not the 3 stored blocks"
     got = d.multi.get_num_new_matched_tokens(req, 0)
     first = min(d.nixl_index, d.offload_index)
     want = (n, True) if first == d.nixl_index else (offload_hit, True)
@@ -72,7 +64,7 @@ def test_remote_prefill_request_is_loaded_by_the_first_child_with_tokens(pd):
     else:
         assert va.offload_load_work(offload_meta), "the CPU-offload child, first with tokens, plans no load"
     d.run(["decode-1"])
-    p.run_until_idle()
+    p.settle()
     assert "decode-1" not in p.scheduler.requests, "the prefill side never freed the blocks it held for D"
 
 
@@ -89,7 +81,7 @@ def test_offload_child_loads_prefix_after_store_completes(engine, transport):
     prompt = token_ids(3 * BLOCK + 5)
     engine.scheduler.add_request(va.make_request("store-src", prompt, max_tokens=2))
     engine.run(["store-src"])
-    engine.run_until_idle()
+    engine.settle()
     assert "store-src" not in engine.scheduler.requests, "first request was never freed"
     assert transport.stores(), "the CPU-offload child never stored the first request's blocks"
     assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the store completed"
@@ -178,9 +170,10 @@ def test_metadata_one_entry_per_child_in_config_order(pd):
         assert isinstance(meta.metadata[engine.nixl_index], NixlMeta), type(meta.metadata[engine.nixl_index])
         assert isinstance(meta.metadata[engine.offload_index], OffloadMeta), type(meta.metadata[engine.offload_index])
     assert "decode-2" in engine.metas[0].metadata[engine.nixl_index].reqs_to_recv
-    assert any(va.offload_store_work(m.metadata[engine.offload_index]) for m in engine.metas), (
-        "no step carried the CPU-offload child's store work in its entry"
-    )
+    with setup_owned_by(STORED):  # that the child schedules stores at all is that contract
+        assert any(va.offload_store_work(m.metadata[engine.offload_index]) for m in engine.metas), (
+            "no step carried the CPU-offload child's store work in its entry"
+        )
     engine.run(["decode-2", "local-2"])
 
 

@@ -19,9 +19,7 @@ from kvcompat.testkit import not_applicable, setup_owned_by
 from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 
-from conftest import BLOCK, pd_read_is_byte_exact, token_ids
-
-STORE_CONTRACT = "test_store_scheduled_on_offload_child_while_nixl_tracks"
+from conftest import BLOCK, STORED, pd_read_is_byte_exact, stored_prefix, token_ids
 
 
 def _agents(fake_nixl) -> list[FakeNixlWrapper]:
@@ -43,15 +41,6 @@ def _assert_dram_registration(agent: FakeNixlWrapper, caches: dict[str, Any]) ->
             if s <= pos < e:
                 pos = e
         assert pos >= end, f"layer {name} [{start:#x}, {end:#x}) not covered by registered regions"
-
-
-def _store_prefix(engine, prompt: list[int], req_id: str) -> None:
-    """Run a request to its end and let the engine drain, so its full blocks are in the CPU tier;
-    then drop the local prefix cache, so only a connector can serve the prompt again."""
-    engine.scheduler.add_request(va.make_request(req_id, prompt, max_tokens=2))
-    engine.run([req_id])
-    engine.run_until_idle()
-    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine went idle"
 
 
 def _scrub(engine) -> None:
@@ -127,11 +116,16 @@ def test_every_worker_step_reaches_every_child(engine, monkeypatch):
     got_multi = {h: ch.spy(monkeypatch, multi, h) for h in hooks}
     got_kids = [{h: ch.spy(monkeypatch, c, h) for h in hooks} for c in multi._connectors]
     prompt = token_ids(3 * BLOCK + 5)
-    _store_prefix(engine, prompt, "steps-src")
+    # A request whose blocks the CPU tier stores, then one with the same prompt that it loads (where the
+    # release stores at all: the hooks are forwarded or not either way).
+    engine.scheduler.add_request(va.make_request("steps-src", prompt, max_tokens=2))
+    engine.run(["steps-src"])
+    engine.settle()
+    engine.scheduler.reset_prefix_cache()
     _scrub(engine)
     engine.scheduler.add_request(va.make_request("steps-dst", prompt, max_tokens=2))
     engine.run(["steps-dst"])
-    engine.run_until_idle()
+    engine.settle()
     for h in hooks:
         n = len(got_multi[h])
         assert n > 0, f"the model runner never called MultiConnector.{h}"
@@ -155,9 +149,8 @@ def test_cpu_tier_round_trip_is_byte_exact(engine, transport):
     the child's transfers are scripted (OffloadingConnector, up to 0.18) the stores and the load are
     checked, the bytes cannot be."""
     prompt = token_ids(3 * BLOCK + 5)
-    _store_prefix(engine, prompt, "trip-src")
+    stored_prefix(engine, prompt, "trip-src")
     stores = len(transport.stores())
-    assert stores, "the CPU-offload child's worker stored nothing"
     _scrub(engine)
     from vllm.v1.request import RequestStatus
 
@@ -228,9 +221,10 @@ def test_worker_metadata_reaches_its_child_and_two_ranks_add_up(make_engine, tra
     engine.run(["ranks-src"])
     for _ in range(3):
         engine.step()
-    _wait_for_copies(transport, 2)  # both ranks launched their stores: their reports land in one step
+    with setup_owned_by(STORED):  # both ranks launched their stores: their reports land in one step
+        _wait_for_copies(transport, 2)
     transport.release()
-    engine.run_until_idle()
+    engine.settle()
     assert engine.free_blocks() == baseline, "the stores never completed on both ranks: blocks stay pinned"
     assert engine.scheduler.reset_prefix_cache()
     dst = va.make_request("ranks-dst", prompt, max_tokens=2)
@@ -254,12 +248,12 @@ def test_engine_keeps_stepping_until_stores_complete(engine, transport):
     engine.run(["flight"])
     for _ in range(2):
         engine.step()
-    with setup_owned_by(STORE_CONTRACT):  # that the child stores at all is that test's contract
+    with setup_owned_by(STORED):  # that the child stores at all is that test's contract
         _wait_for_copies(transport, 1)
     assert engine.scheduler.has_requests(), "the engine has no work although stores are in flight"
     assert engine.free_blocks() < baseline, "the blocks of stores in flight were freed before they completed"
     transport.release()
-    steps = engine.run_until_idle()
+    steps = engine.run_until_idle()  # the contract: EngineCore's loop, driven by has_requests()
     assert engine.free_blocks() == baseline, (
         f"the engine went idle after {steps} steps with {baseline - engine.free_blocks()} blocks still pinned "
         "by stores that completed meanwhile"
@@ -283,7 +277,7 @@ def test_prefill_blocks_freed_once_the_decode_side_has_read(engine, nixl_agent):
     assert "pd-send" in engine.scheduler.requests, "blocks freed before the decode side read them"
     (agent,) = _agents(nixl_agent)
     agent.inject_notif("decode-agent", b"pd-send:1")
-    engine.run_until_idle()
+    engine.settle()
     for _ in range(3):
         if "pd-send" not in engine.scheduler.requests:
             break

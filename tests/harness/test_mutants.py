@@ -189,7 +189,7 @@ def test_killed_survived_not_applicable_and_equivalent(cell_lock, tmp_path):
     assert out.stdout.split() == ["2", "1"]
     # The report's section lists the cell and its survivor.
     md = mutation_report.render_markdown(mutation_report.load([tmp_path / "results"]))
-    assert "## Mutation testing" in md and f"| {cell.id} | 2 | 1 | 1 | 1 | complete |" in md
+    assert "## Mutation testing" in md and f"| {cell.id} | 2 | 1 | 66.7 % | 1 | 1 | 0 | complete |" in md
     assert "`untested-change` (nothing the suite checks)" in md and "`count-with-bool`: bool is an int" in md
 
 

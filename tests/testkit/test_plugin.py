@@ -76,7 +76,14 @@ def test_collection_error_is_recorded(pytester):
 
 def test_no_tests_collected(pytester):
     result, data = run(pytester, "x = 1\n")
-    assert data == {"exitstatus": 5, "collected": 0, "deselected": [], "tests": [], "python": platform.python_version()}
+    assert data == {
+        "exitstatus": 5,
+        "collected": 0,
+        "deselected": [],
+        "tests": [],
+        "python": platform.python_version(),
+        "facts": {},
+    }
 
 
 def test_deselected_tests_are_listed(pytester):
@@ -174,3 +181,35 @@ def test_a_setup_step_owned_by_another_test_is_an_error_blocked_by_it(pytester):
     assert (
         msg.startswith("setup step of test_owner failed: AssertionError: All kv cache tensors") and "never" not in msg
     )
+
+
+def test_listed_tests_run_first_in_the_listed_order(pytester):
+    """--kvcompat-first: the listed tests run first, in the file's order; the rest keep theirs."""
+    pytester.makepyfile(test_suite="def test_a():\n    pass\n\ndef test_b():\n    pass\n\ndef test_c():\n    pass\n")
+    first = pytester.path / "first.txt"
+    first.write_text("test_suite.py::test_c\ntest_suite.py::test_b\n")
+    result = pytester.runpytest_subprocess("-p", "kvcompat.testkit.pytest_plugin", f"--kvcompat-first={first}", "-v")
+    order = [line.split("::")[1].split()[0] for line in result.outlines if line.startswith("test_suite.py::")]
+    assert order == ["test_c", "test_b", "test_a"]
+
+
+def test_a_refusal_inside_a_user_configuration_is_unsupported_not_blocked(pytester):
+    """Building the user's configuration: vLLM refusing it in a step another contract owns is still the
+    release refusing the configuration (unsupported), not that contract's finding."""
+    pytester.mkpydir("vllm")
+    (pytester.path / "vllm" / "factory.py").write_text(
+        "def build():\n    raise ValueError('MultiConnector does not support HMA')\n"
+    )
+    suite = """
+from kvcompat.testkit import setup_owned_by, user_configuration
+import vllm.factory
+
+def test_refused():
+    with user_configuration("a hybrid model"):
+        with setup_owned_by("test_worker_up"):
+            vllm.factory.build()
+"""
+    _, data = run(pytester, suite)
+    (t,) = data["tests"]
+    assert (t["outcome"], t["blocked_by"]) == ("unsupported", None)
+    assert "a hybrid model: ValueError: MultiConnector does not support HMA (vllm/factory.py:2)" in t["message"]

@@ -27,6 +27,7 @@ from kvcompat.atomic import write_atomic
 from kvcompat.cells import Cell
 from kvcompat.errors import KvcompatError
 from kvcompat.mutation import catalogue as cat
+from kvcompat.mutation import generate as gen
 from kvcompat.mutation.guard import Guard, GuardError
 from kvcompat.outcomes import Outcome
 from kvcompat.results import headline
@@ -66,6 +67,8 @@ class MutationOptions:
     find_links: tuple[str, ...] = ()
     heartbeat_s: float = 30.0
     pytest_args: tuple[str, ...] = ()  # e.g. --deselect of a test that fails on the baseline; in every run
+    # tests/mutants/equivalent.toml: why generated mutants are equivalent (per release), and methods with no site
+    reasons: Path | None = None
 
     MIN_TIMEOUT_S = 120.0
 
@@ -81,6 +84,7 @@ class MutantVerdict:
     detail: str = ""
     seconds: float = 0.0
     reason: str | None = None  # equivalent: why
+    origin: str = "catalogue"  # or "generated" (kvcompat.mutation.generate)
 
 
 @dataclasses.dataclass
@@ -95,6 +99,12 @@ class MutationRun:
     finished: str | None = None
     planned: int = 0
     pytest_args: list[str] = dataclasses.field(default_factory=list)
+    # per method of MultiConnector and its classes: "N mutants", or why it needs none, or "MISSING"
+    coverage: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def uncovered(self) -> list[str]:
+        return [m for m, how in self.coverage.items() if how == "MISSING"]
 
     @property
     def id(self) -> str:
@@ -109,8 +119,8 @@ class MutationRun:
 
     @property
     def ok(self) -> bool:
-        """Baseline green, every mutant decided, none survived."""
-        return self.scored and self.finished is not None and not self.survivors
+        """Baseline green, every mutant decided, none survived, every method covered or explained."""
+        return self.scored and self.finished is not None and not self.survivors and not self.uncovered
 
     def to_json(self) -> dict:
         return {
@@ -126,6 +136,7 @@ class MutationRun:
             "planned": self.planned,
             "pytest_args": self.pytest_args,
             "counts": self.counts(),
+            "coverage": self.coverage,
             "mutants": [dataclasses.asdict(m) for m in self.mutants],
         }
 
@@ -186,7 +197,8 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> Mu
         raise MutationError(
             f"cell {cell.id} has no lock ({lock}); run the cell once first: nox -s matrix -k {cell.tags[3]}"
         )
-    mutants = cat.select(cat.load(mo.catalogue), mo.only)
+    written = cat.load(mo.catalogue)
+    reasons = gen.load_reasons(mo.reasons)
     ctx = _context(cell, mo, progress, timeout_s=3600.0)
     guard = guard_for(mo.home, cell)
     held = guard.lock()
@@ -195,6 +207,7 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> Mu
         reap_leftover(ctx.files, ctx.say)  # a pytest left running by a SIGKILLed session
         _prepare_venv(ctx, guard, lock)
         source = guard.save_pristine().decode()
+        mutants = select_mutants(written + gen.mutants_for(source, cell.vllm, reasons), mo.only)
         plan = [(m, m.apply(source)) for m in mutants]  # an ambiguous or broken mutant stops us before any run
         run = MutationRun(
             cell=cell.to_json(),
@@ -203,6 +216,7 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> Mu
             started=ctx.started,
             planned=len(plan),
             pytest_args=list(mo.pytest_args),
+            coverage=gen.coverage(source, reasons),
         )
         out = results_path(mo.results_dir, cell.id)
         _baseline(ctx, run)
@@ -215,8 +229,15 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> Mu
         timeout = mo.timeout_s or max(MutationOptions.MIN_TIMEOUT_S, 5 * run.baseline["seconds"])
         ctx = _context(cell, mo, progress, timeout_s=timeout)
         passed = set(run.baseline["passed"])
+        killers = Killers(ctx.files.work / "killers.txt")
+        decided: dict[str, MutantVerdict] = {}
         for n, (mutant, mutated) in enumerate(plan, 1):
-            verdict = _score(ctx, guard, mutant, mutated, passed)
+            twin = decided.get(getattr(mutant, "same_as", None) or "")
+            if twin is not None:
+                verdict = _same_as(mutant, twin)
+            else:
+                verdict = _score(ctx, guard, mutant, mutated, passed, killers)
+            decided[mutant.id] = verdict
             run.mutants.append(verdict)
             ctx.say(f"mutant {n}/{len(plan)} {mutant.id}: {_say(verdict)}")
             write_atomic(out, json.dumps(run.to_json(), indent=1))
@@ -288,8 +309,54 @@ def _baseline(ctx: CellContext, run: MutationRun) -> None:
     run.scored = verdict.outcome is Outcome.PASS
 
 
-def _score(ctx: CellContext, guard: Guard, mutant: cat.Mutant, mutated: str | None, passed: set[str]) -> MutantVerdict:
-    base = {"id": mutant.id, "contract": mutant.contract, "description": mutant.description}
+class Killers:
+    """The tests that killed mutants, the latest first: run first for the next mutant, so -x stops early."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.names: list[str] = []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+
+    def saw(self, nodeid: str) -> None:
+        self.names = [nodeid] + [n for n in self.names if n != nodeid]
+        self.path.write_text("\n".join(self.names) + "\n")
+
+
+def select_mutants(mutants: list, only: tuple[str, ...]) -> list:
+    """The mutants named in ``only`` (all when empty), written and generated alike; an unknown id is bad input."""
+    if not only:
+        return mutants
+    known = {m.id for m in mutants}
+    unknown = [i for i in only if i not in known]
+    if unknown:
+        raise cat.CatalogueError(
+            f"no mutant {', '.join(unknown)} for this release; see results/mutants-<cell>.json for ids"
+        )
+    return [m for m in mutants if m.id in only]
+
+
+def _origin(mutant) -> str:
+    return "generated" if isinstance(mutant, gen.GeneratedMutant) else "catalogue"
+
+
+def _same_as(mutant, twin: MutantVerdict) -> MutantVerdict:
+    """A mutant that makes the same program as one already run (two children): that one's verdict."""
+    return dataclasses.replace(
+        twin,
+        id=mutant.id,
+        contract=mutant.contract,
+        description=mutant.description,
+        origin=_origin(mutant),
+        detail=f"the same program as {twin.id} for two children: {twin.detail}"[:400],
+        seconds=0.0,
+    )
+
+
+def _score(
+    ctx: CellContext, guard: Guard, mutant, mutated: str | None, passed: set[str], killers: Killers
+) -> MutantVerdict:
+    base = {"id": mutant.id, "contract": mutant.contract, "description": mutant.description, "origin": _origin(mutant)}
     if mutated is None:
         return MutantVerdict(**base, status=NOT_APPLICABLE, detail=f"target code absent in {cell_label(ctx.cell)}")
     if mutant.equivalent:
@@ -297,7 +364,7 @@ def _score(ctx: CellContext, guard: Guard, mutant: cat.Mutant, mutated: str | No
     t0 = time.monotonic()
     guard.apply(mutant.id, mutated)
     try:
-        verdict = suites.run_pytest(ctx, "ours", _suite_run(ctx, "-x"))
+        verdict = suites.run_pytest(ctx, "ours", _suite_run(ctx, "-x", f"--kvcompat-first={killers.path}"))
     finally:
         guard.restore()
     seconds = round(time.monotonic() - t0, 2)
@@ -305,9 +372,10 @@ def _score(ctx: CellContext, guard: Guard, mutant: cat.Mutant, mutated: str | No
         return MutantVerdict(
             **base, status=KILLED, killed_by="timeout", how="timeout", detail=verdict.detail, seconds=seconds
         )
-    killers = [t for t in verdict.tests if t.nodeid in passed and t.outcome.value not in STILL_GREEN]
-    if killers:
-        t = killers[0]
+    killed = [t for t in verdict.tests if t.nodeid in passed and t.outcome.value not in STILL_GREEN]
+    if killed:
+        t = killed[0]
+        killers.saw(t.nodeid)
         return MutantVerdict(
             **base,
             status=KILLED,
@@ -372,6 +440,7 @@ def options_for(root: Path, values, pytest_args: list[str] = ()) -> MutationOpti
     return MutationOptions(
         repo=root,
         catalogue=root / "tests" / "mutants" / "multi_connector.toml",
+        reasons=root / "tests" / "mutants" / "equivalent.toml",
         results_dir=root / "results",
         home=root / ".kvcompat" / "mutants",
         cell_work=root / ".kvcompat" / "cells",
@@ -388,4 +457,5 @@ def summary(run: MutationRun) -> str:
     if not run.scored:
         return f"{run.id}: baseline {run.baseline.get('outcome')} ({run.baseline.get('detail')}), mutants not scored"
     text = f"{run.id}: {c[KILLED]} killed, {c[SURVIVED]} survived"
-    return text + (f" ({', '.join(m.id for m in run.survivors)})" if run.survivors else "")
+    text += f" ({', '.join(m.id for m in run.survivors)})" if run.survivors else ""
+    return text + (f"; methods with no mutant and no reason: {', '.join(run.uncovered)}" if run.uncovered else "")

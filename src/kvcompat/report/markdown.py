@@ -104,6 +104,24 @@ def render_markdown(rep: Report) -> str:
         out.append(f"| **{row}** | " + " | ".join(cells) + " |")
     out += ["", "Legend: " + ", ".join(f"{m} {o.label}" for o, m in MARK.items()), ""]
 
+    ran_how = [gc for gc in rep.ordered() if gc.facts]
+    if ran_how:
+        names = list(dict.fromkeys(k for gc in ran_how for k in gc.facts if k != "platform"))
+        out += [
+            "## How each cell ran",
+            "",
+            "What the suite used to run each release on this CPU (the CPU-offload child's worker: its own code with only "
+            "its CUDA transport replaced, or scripted transfers where it cannot run so).",
+            "",
+            "| cell | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        out += [
+            f"| {gc.row} / {rep.column(gc)} | " + " | ".join(gc.facts.get(n, "—") for n in names) + " |"
+            for gc in ran_how
+        ]
+        out.append("")
+
     disagreements = rep.disagreements()
     if disagreements:
         out += ["## Suites disagree", ""]

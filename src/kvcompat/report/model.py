@@ -19,6 +19,9 @@ from packaging.version import InvalidVersion, Version
 from kvcompat.outcomes import CHILD_ORDERS, Outcome, TestOutcome, cell_outcome
 from kvcompat.results import CellResult, TestResult, UnreadableResult, count_tests, scan_results
 
+# The fact (kvcompat.testkit.record_fact) that says which worker the CPU-offload child ran: the real
+# one with its CUDA transport on CPU, or scripted transfers (OffloadingConnector, up to 0.18).
+OFFLOAD_WORKER_FACT = "offload worker"
 # A verdict against the release: unsupported (vLLM refused the user's configuration) is as red as a failure.
 BAD_TESTS = (TestOutcome.FAILED, TestOutcome.UNSUPPORTED, TestOutcome.ERROR)
 # A history run: results from this many releases make the timeline the report's headline view.
@@ -83,6 +86,11 @@ class GridCell:
 
     def counts(self) -> dict[str, int]:
         return count_tests(self.tests)
+
+    @property
+    def facts(self) -> dict[str, str]:
+        """How the suite ran this release (kvcompat.testkit.record_fact): which offload worker, runner, ..."""
+        return dict(self.result.suites.get(self.suite, {}).get("facts") or {})
 
     def text(self) -> str:
         counts, total = self.counts(), len(self.tests)
@@ -317,7 +325,9 @@ class TimelineColumn:
     @property
     def notes(self) -> list[str]:
         c = self.cell.result.cell
-        return [f"override {' '.join(c['overrides'])}"] if c.get("overrides") else []
+        notes = [f"override {' '.join(c['overrides'])}"] if c.get("overrides") else []
+        worker = self.cell.facts.get(OFFLOAD_WORKER_FACT)
+        return notes + ([f"CPU offload: {worker}"] if worker else [])
 
 
 @dataclasses.dataclass

@@ -44,6 +44,17 @@ def _counts(run: dict) -> dict[str, int]:
     return {c: sum(1 for m in run.get("mutants", []) if m["status"] == c) for c in COLUMNS}
 
 
+def _score(run: dict) -> str:
+    """killed / (killed + survived): the share of the mutants a test could see that the suite caught."""
+    c = _counts(run)
+    seen = c["killed"] + c["survived"]
+    return f"{100 * c['killed'] / seen:.1f} %" if seen else "—"
+
+
+def _uncovered(run: dict) -> list[str]:
+    return [m for m, how in (run.get("coverage") or {}).items() if how == "MISSING"]
+
+
 def _killer(m: dict) -> str:
     return m["killed_by"].split("::")[-1] if m.get("how") == "test" else (m.get("how") or "")
 
@@ -57,14 +68,15 @@ def render_markdown(runs: list[dict]) -> str:
         "Each mutant is a small change to the release's multi_connector.py, applied in a copy of the cell's venv; "
         "the suite should fail on it (killed). Survivors are contracts the suite does not check.",
         "",
-        "| cell | killed | survived | not applicable | equivalent | state |",
-        "|---|---|---|---|---|---|",
+        "| cell | killed | survived | killed of non-equivalent | not applicable | equivalent | generated | state |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         c = _counts(run)
+        generated = sum(1 for m in run.get("mutants", []) if m.get("origin") == "generated")
         out.append(
-            f"| {run['id']} | {c['killed']} | {c['survived']} | {c['not_applicable']} | {c['equivalent']} | "
-            f"{_state(run)} |"
+            f"| {run['id']} | {c['killed']} | {c['survived']} | {_score(run)} | {c['not_applicable']} | "
+            f"{c['equivalent']} | {generated} | {_state(run)} |"
         )
     out.append("")
     for run in runs:
@@ -73,6 +85,8 @@ def render_markdown(runs: list[dict]) -> str:
             out += [f"Survivors in {run['id']}:", ""]
             out += [f"- `{m['id']}` ({m['contract']}): {m['description']}" for m in survivors]
             out.append("")
+        if _uncovered(run):
+            out += [f"Methods with no mutant and no reason in {run['id']}: {', '.join(_uncovered(run))}", ""]
     equivalent = {m["id"]: m for run in runs for m in run.get("mutants", []) if m["status"] == "equivalent"}
     if equivalent:
         out += ["Equivalent mutants (not run):", ""]
@@ -87,14 +101,14 @@ def render_html(runs: list[dict]) -> str:
     body = [
         '<h2 id="mutation-testing">Mutation testing</h2>',
         "<table><tr><th>cell</th><th>killed</th><th>survived</th><th>not applicable</th><th>equivalent</th>"
-        "<th>state</th></tr>",
+        "<th>killed of non-equivalent</th><th>state</th></tr>",
     ]
     for run in runs:
         c = _counts(run)
         body.append(
             f"<tr><td>{escape(run['id'])}</td>"
             + "".join(f"<td>{c[k]}</td>" for k in COLUMNS)
-            + f"<td>{escape(_state(run))}</td></tr>"
+            + f"<td>{escape(_score(run))}</td><td>{escape(_state(run))}</td></tr>"
         )
     body.append("</table>")
     for run in runs:

@@ -51,6 +51,7 @@ class SuiteVerdict:
     detail: str
     tests: list[TestResult]
     python: str | None = None  # as the cell's pytest reports it
+    facts: dict[str, str] = dataclasses.field(default_factory=dict)  # how the suite ran this release
 
 
 def suite_marker(cell: Cell) -> str:
@@ -120,6 +121,7 @@ def run_pytest(ctx: CellContext, suite: str, run: SuiteRun) -> SuiteVerdict:
     data = _read_json(report)
     tests = [TestResult.from_json(t) for t in data.get("tests", [])] if data else []
     python = data.get("python") if data else None
+    facts = dict(data.get("facts") or {}) if data else {}
     if rc is None:
         return SuiteVerdict(
             Outcome.TIMEOUT, f"pytest did not finish in {ctx.opts.timeout_s:.0f}s (process group killed)", tests, python
@@ -154,7 +156,7 @@ def run_pytest(ctx: CellContext, suite: str, run: SuiteRun) -> SuiteVerdict:
         detail += f"; {len(data['deselected'])} not run here ({why}): " + (
             names if len(names) < 300 else names[:300] + "…"
         )
-    return SuiteVerdict(outcome, detail, tests, python)
+    return SuiteVerdict(outcome, detail, tests, python, facts)
 
 
 def phase(ctx: CellContext, installed: Installed) -> CellResult:
@@ -174,6 +176,8 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
         tests += verdict.tests
         python = python or verdict.python
         info[suite] = {"outcome": verdict.outcome.value, "detail": verdict.detail, "seconds": ctx.phases[name]}
+        if verdict.facts:
+            info[suite]["facts"] = verdict.facts
     main = info.get("ours") or next(iter(info.values()))
     outcome, detail = Outcome(main["outcome"]), main["detail"]
     versions = installed.versions

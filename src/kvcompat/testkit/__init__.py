@@ -19,6 +19,15 @@ from collections.abc import Iterator
 
 from kvcompat.outcomes import BLOCKED_PREFIX, NOT_APPLICABLE_PREFIX, UNSUPPORTED_PREFIX
 
+# What the suite learnt about how it ran this release (e.g. which worker the CPU-offload child ran):
+# the pytest plugin writes it into the suite's results, the report shows it beside the verdict.
+FACTS: dict[str, str] = {}
+
+
+def record_fact(name: str, value: str) -> None:
+    """Say how this release was run (``offload worker``, ``model runner``, ...), for the report."""
+    FACTS[name] = str(value)
+
 
 def not_applicable(reason: str) -> None:
     """Mark the running test not-applicable to this release and stop it.
@@ -31,6 +40,11 @@ def not_applicable(reason: str) -> None:
     pytest.skip(NOT_APPLICABLE_PREFIX + reason)
 
 
+# While a user's configuration is being built (user_configuration), vLLM refusing it is the verdict
+# (unsupported): a setup step inside, which another contract owns otherwise, does not claim it.
+_BUILDING_USER_CONFIGURATION: list[str] = []
+
+
 @contextlib.contextmanager
 def user_configuration(what: str) -> Iterator[None]:
     """Build a configuration a user would deploy; vLLM refusing it makes the test ``unsupported``.
@@ -41,6 +55,7 @@ def user_configuration(what: str) -> Iterator[None]:
     asked for it, and the release cannot serve it.
     """
     refused = None
+    _BUILDING_USER_CONFIGURATION.append(what)
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - classified below, re-raised when not vLLM's
@@ -49,6 +64,8 @@ def user_configuration(what: str) -> Iterator[None]:
             raise
         where = f"vllm/{frames[-1].filename.split('/vllm/', 1)[-1]}:{frames[-1].lineno}"
         refused = f"{what}: {type(exc).__name__}: {exc} ({where})"
+    finally:
+        _BUILDING_USER_CONFIGURATION.pop()
     if refused is not None:
         import pytest
 
@@ -69,6 +86,8 @@ def setup_owned_by(contract: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - reported as blocked, with the exception
+        if _BUILDING_USER_CONFIGURATION:  # vLLM refusing the user's configuration is the verdict there
+            raise
         frames = traceback.extract_tb(exc.__traceback__)
         where = f" ({frames[-1].filename.split('/site-packages/', 1)[-1]}:{frames[-1].lineno})" if frames else ""
         blocked = f"{type(exc).__name__}: {exc}{where}"

@@ -43,6 +43,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kvcompat-json", default=None, help="write per-test results to this JSON file")
     group.addoption("--kvcompat-suite", default="ours", help="suite name recorded with each test")
     group.addoption(
+        "--kvcompat-first",
+        default=None,
+        help="a file of test node ids, one a line: run these first, in that order (a mutation run puts the "
+        "tests that killed earlier mutants first, so -x stops early)",
+    )
+    group.addoption(
         "--kvcompat-cell-process",
         action="store_true",
         help="this pytest owns its process (a cell's run): collect garbage once per test, and exit without "
@@ -58,6 +64,21 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     if config.getoption("--kvcompat-cell-process"):
         config.pluginmanager.register(CellProcess(), "kvcompat-cell-process")
+    first = config.getoption("--kvcompat-first")
+    if first:
+        config.pluginmanager.register(RunFirst(Path(first)), "kvcompat-first")
+
+
+class RunFirst:
+    """Moves the listed tests to the front, in the listed order; the others keep theirs."""
+
+    def __init__(self, path: Path) -> None:
+        names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        self.rank = {name: i for i, name in enumerate(names)}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        items.sort(key=lambda item: self.rank.get(item.nodeid, len(self.rank)))
 
 
 class CellProcess:
@@ -218,11 +239,14 @@ class ResultCollector:
                 entry["outcome"] = TestOutcome.ERROR
                 entry["message"] = entry["message"] or "test did not run to completion"
             tests.append({**entry, "outcome": TestOutcome(entry["outcome"]).value})
+        from kvcompat.testkit import FACTS
+
         payload = {
             "exitstatus": int(exitstatus),
             "collected": self.collected,
             "deselected": self.deselected,
             "tests": tests,
             "python": sys.version.split()[0],
+            "facts": dict(FACTS),
         }
         write_atomic(self.path, json.dumps(payload, indent=1))

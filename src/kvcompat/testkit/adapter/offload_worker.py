@@ -13,8 +13,8 @@ from typing import Any
 
 from kvcompat.testkit.adapter.capabilities import _field_names, has_simple_cpu_offload
 
-REAL = "real worker, CUDA transport on CPU"
-SCRIPTED = "scripted transfers in the release's protocol"
+REAL = "real worker (CUDA transport on CPU)"
+SCRIPTED = "scripted transfers"
 
 
 def offload_worker_kind() -> str:

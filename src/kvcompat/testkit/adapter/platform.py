@@ -36,6 +36,28 @@ def _cpu_platform_requires_triton() -> bool:
     return "requires Triton (triton-cpu)" in Path(str(path)).read_text()
 
 
+def _platform_values_reread(platform: object) -> list[str]:
+    """Values vLLM froze from the platform while it was being imported (before ours was set), read
+    again from CpuPlatform, as a CPU build of vLLM has them from the start.
+
+    ``vllm.utils.torch_utils.PIN_MEMORY`` (0.24-0.27) is ``is_pin_memory_available()`` at import: the
+    unspecified platform says True, CpuPlatform False, and SimpleCPUOffload's worker would pin its CPU
+    pool through CUDA.  Modules that copied it (``from ... import PIN_MEMORY``) get it too.
+    """
+    torch_utils = sys.modules.get("vllm.utils.torch_utils")
+    if torch_utils is None or not hasattr(torch_utils, "PIN_MEMORY"):
+        return []
+    cpu_value = platform.is_pin_memory_available()
+    if torch_utils.PIN_MEMORY == cpu_value:
+        return []
+    fixed = []
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("vllm") and getattr(mod, "PIN_MEMORY", cpu_value) != cpu_value:
+            mod.PIN_MEMORY = cpu_value
+            fixed.append(name)
+    return [f"PIN_MEMORY read again from CpuPlatform ({cpu_value}) in {', '.join(sorted(fixed))}"]
+
+
 def select_cpu_platform() -> str:
     """Select vLLM's own CpuPlatform for this process (construction only); return how.
 
@@ -68,6 +90,7 @@ def select_cpu_platform() -> str:
 
         platforms._current_platform = CpuPlatform()
         how = "vllm.platforms._current_platform = CpuPlatform()"
+        notes += _platform_values_reread(platforms._current_platform)
     current = platforms.current_platform
     if current.device_type != "cpu":
         raise RuntimeError(f"could not select CpuPlatform ({how}); got {type(current).__name__}")
