@@ -106,6 +106,12 @@ def release() -> dict[str, Any]:
     return {"version": probes.vllm_version(), **facts}
 
 
+@pytest.fixture(autouse=True)
+def _cpu_platform_first(release):
+    """Every test runs after the release is probed and CpuPlatform selected, whatever the order the
+    tests run in (a mutation run puts the tests that killed earlier mutants first)."""
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     return va.write_tiny_model(tmp_path_factory.mktemp("tiny-model"))

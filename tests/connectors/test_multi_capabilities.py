@@ -10,6 +10,7 @@ API does not have is not applicable (an explicit probe of the base class).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 from typing import Any
@@ -119,7 +120,7 @@ def test_sleep_mode_only_when_every_child_supports_it(engine):
 # ---------------------------------------------------------------------------
 # per-request answers: the loading child's
 # ---------------------------------------------------------------------------
-def test_cache_hit_source_and_restored_groups_are_the_loading_childs(request):
+def test_cache_hit_source_and_restored_groups_are_the_loading_childs(release, request):
     """For a request a child loads, MultiConnector reports that child's cache-hit source (the
     prompt-tokens-by-source metric: host for the CPU tier, p2p for Nixl) and that child's restored
     KV-cache groups (which decide the blocks the scheduler zeroes), never the other child's."""
@@ -200,6 +201,11 @@ def test_transfer_stats_add_up_across_ranks_and_steps(make_engine, monkeypatch):
     for _ in range(steps):
         engine.step()
     per_step = [o.kv_connector_stats for o in engine.kv_outputs[-steps:]]
+    # The reference: each child's stats added up on their own (copies: aggregate may work in place).
+    expected = {}
+    for s in copy.deepcopy(per_step):
+        for name, child in s.data.items():
+            expected[name] = expected[name].aggregate(child) if name in expected else child
     for s in per_step:
         assert s is not None, "a step's stats never reached the scheduler"
         assert s.data[nixl_name].data["n"] == 2, f"one step, two ranks: {s.data}"
@@ -211,14 +217,30 @@ def test_transfer_stats_add_up_across_ranks_and_steps(make_engine, monkeypatch):
     if offload_own is not None:
         names.append(type(engine.offload).__name__)
         assert names[1] in total.data, f"the CPU-offload child's stats were dropped: {sorted(total.data)}"
-    # What the stats logger prints and serializes: every child's own, under its name.
+    # What the stats logger prints and serializes: every child's own, under its name, added up.
     reduced = total.reduce()
-    assert set(names) <= set(reduced) and reduced[nixl_name] == {"n": 2 * steps}, f"reduce(): {reduced}"
+    assert reduced == {k: v.reduce() for k, v in expected.items()}, f"reduce(): {reduced}"
     if hasattr(total, "to_dict"):
-        assert set(names) <= set(total.to_dict()), f"to_dict(): {sorted(total.to_dict())}"
+        assert set(total.to_dict()) == set(expected), f"to_dict(): {sorted(total.to_dict())}"
     assert not total.is_empty(), "stats with transfers in them count as empty"
+    # What the stats logger starts from, and rebuilds from what the engine sends it.
+    MultiConnector, _ = va.multi_classes()
+    assert MultiConnector.build_kv_connector_stats().data == {}, "the empty stats a logger starts from are not empty"
     total.reset()
-    assert total.data[nixl_name].data["n"] == 0, "reset() left a child's stats as they were"
+    for name, child in total.data.items():
+        fresh = copy.deepcopy(child)
+        fresh.reset()
+        assert child.reduce() == fresh.reduce(), f"reset() left {name}'s stats as they were"
+    # One child with nothing to report and one with something: the stats are not empty.
+    ch.spy(
+        monkeypatch,
+        engine.worker._connectors[engine.nixl_index],
+        "get_kv_connector_stats",
+        lambda: Counted(data={"n": 0}),
+    )
+    if offload_own is not None and not offload_own.is_empty():
+        mixed = engine.worker.get_kv_connector_stats().aggregate(engine.multi.get_kv_connector_stats())
+        assert not mixed.is_empty(), "stats with one child's data in them count as empty"
 
 
 # ---------------------------------------------------------------------------
@@ -267,3 +289,105 @@ def test_sleep_and_wake_unregister_and_restore_the_kv_caches_on_every_child(engi
     multi.restore_kv_caches()
     assert [len(c) for c in calls["restore_kv_caches"]] == [1, 1], "a child did not restore its registrations"
     assert len(agent.registered) == registered, "Nixl's KV-cache memory was not registered again on wake"
+
+
+# ---------------------------------------------------------------------------
+# Prometheus metrics: every child's
+# ---------------------------------------------------------------------------
+class _Metric:
+    """A Prometheus metric that registers nowhere (the suite builds many; the process has one registry)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.name = kwargs.get("name", args[0] if args else "")
+
+    def labels(self, *args: Any, **kwargs: Any) -> _Metric:
+        return self
+
+    def set(self, *a: Any) -> None: ...
+
+    def inc(self, *a: Any) -> None: ...
+
+    def observe(self, *a: Any) -> None: ...
+
+
+def test_prometheus_metrics_of_every_child(engine):
+    """The Prometheus metrics a user scrapes are every child's (vllm:nixl_*, and the CPU-offload child's
+    where it has some): MultiConnector builds each child class's metrics, once per class, and keys
+    them by the class name its stats come under, whatever the order."""
+    MultiConnector, _ = va.multi_classes()
+    if "build_prom_metrics" not in vars(MultiConnector):
+        not_applicable("MultiConnector builds no Prometheus metrics of its own in this release")
+    from prometheus_client import Counter, Gauge, Histogram
+
+    types = {Gauge: _Metric, Counter: _Metric, Histogram: _Metric}
+    labels, per_engine = ["model_name", "engine"], {0: ["tiny", "0"]}
+    want = {
+        cls.__name__
+        for cls, cfg in _child_classes_and_configs(engine.vllm_config)
+        if cls.build_prom_metrics(cfg, types, labels, per_engine) is not None
+    }
+    assert want, "no child of the pair builds Prometheus metrics here"
+    prom = MultiConnector.build_prom_metrics(engine.vllm_config, types, labels, per_engine)
+    got = set(prom._prom_metrics)
+    assert got == want, f"MultiConnector's Prometheus metrics are {sorted(got)}, its children's {sorted(want)}"
+
+
+# ---------------------------------------------------------------------------
+# properties composed from the children
+# ---------------------------------------------------------------------------
+def test_divergent_local_hybrid_hits_only_when_every_child_allows_them(engine):
+    """A hybrid model may take local prefix hits that differ per KV-cache group only when every
+    child can load around them: MultiConnector allows it exactly when all its children do (Nixl does,
+    the CPU-offload child does not), whatever the order."""
+    MultiConnector, _ = va.multi_classes()
+    if "supports_divergent_local_hybrid_hits" not in vars(MultiConnector):
+        not_applicable("MultiConnector has no supports_divergent_local_hybrid_hits in this release")
+    kids = {type(c).__name__: c.supports_divergent_local_hybrid_hits for c in engine.multi._connectors}
+    assert engine.multi.supports_divergent_local_hybrid_hits is all(kids.values()), f"children: {kids}"
+    assert len(set(kids.values())) == 2, f"the pair no longer disagrees ({kids}): this test sees less"
+
+
+def test_kv_delivery_required_when_any_child_requires_it(engine):
+    """When any child must deliver KV to a peer (Nixl as a producer), MultiConnector requires KV
+    delivery, so the scheduler keeps a preempted request's output for the remote decode instead of
+    dropping it; a child that only caches (the CPU offload) does not lift that, whatever the order."""
+    MultiConnector, _ = va.multi_classes()
+    if "requires_kv_delivery" not in vars(MultiConnector):
+        not_applicable("MultiConnector has no requires_kv_delivery in this release")
+    kids = {type(c).__name__: c.requires_kv_delivery for c in engine.multi._connectors}
+    assert engine.multi.requires_kv_delivery is any(kids.values()), f"children: {kids}"
+    assert engine.multi.requires_kv_delivery is True, f"Nixl produces KV here, yet no delivery is required: {kids}"
+
+
+@pytest.mark.parametrize("hook", ["has_pending_push_work", "has_pending_block_frees"])
+def test_pending_work_of_either_child_keeps_the_scheduler_waiting(engine, monkeypatch, hook):
+    """A child with work pending (push transfers in flight, as NixlPushConnector has; block frees
+    pending) makes MultiConnector report it, whichever child it is: the engine keeps stepping instead
+    of going idle (push work), or waits for blocks instead of preempting (block frees)."""
+    if not hasattr(ch.base_class(), hook):
+        not_applicable(f"the release's connector API has no {hook}")
+    for busy in range(2):
+        for i, c in enumerate(engine.multi._connectors):
+            ch.spy(monkeypatch, c, hook, lambda _b=(i == busy): _b)
+        assert getattr(engine.multi, hook)() is True, f"child {busy}'s pending work is not reported"
+        if hook == "has_pending_push_work":
+            assert engine.scheduler.has_requests(), f"child {busy} has push work, yet the engine would go idle"
+    for c in engine.multi._connectors:
+        ch.spy(monkeypatch, c, hook, lambda: False)
+    assert getattr(engine.multi, hook)() is False
+
+
+def test_empty_multiconnector_claims_no_capability():
+    """A MultiConnector configured with no children claims no HMA support and no lookahead hashing
+    (nothing it could forward them to), rather than the vacuous "all of none"."""
+    from vllm.config import KVTransferConfig
+
+    MultiConnector, _ = va.multi_classes()
+    ktc = KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both", engine_id="e", kv_connector_extra_config={"connectors": []}
+    )
+    claims = [n for n in ("all_children_support_hma", "supports_lookahead_block_hashes") if n in vars(MultiConnector)]
+    if not claims:
+        not_applicable("MultiConnector composes neither HMA support nor lookahead hashing from its children here")
+    for name in claims:
+        assert getattr(MultiConnector, name)(ktc) is False, f"{name}: a MultiConnector without children claims it"

@@ -30,26 +30,25 @@ def _children_hma(multi: Any) -> list[bool]:
     return [va.supports_hma(c) for c in multi._connectors]
 
 
-def _nixl_plus_non_hma_child_config(tmp_path) -> Any:
-    """MultiConnector([Nixl, ExampleConnector]): ExampleConnector is a child that
-    does not implement SupportsHMA in the releases where this test applies."""
+def _nixl_plus_non_hma_child_config(tmp_path, example_first: bool = False) -> Any:
+    """MultiConnector with Nixl and ExampleConnector (a child that does not implement SupportsHMA in
+    the releases where this test applies), in either order."""
     from vllm.config import KVTransferConfig
 
+    children = [
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+        },
+    ]
     return KVTransferConfig(
         kv_connector="MultiConnector",
         kv_role="kv_both",
         kv_buffer_device="cpu",
         engine_id="kvcompat-engine",
-        kv_connector_extra_config={
-            "connectors": [
-                {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
-                {
-                    "kv_connector": "ExampleConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
-                },
-            ]
-        },
+        kv_connector_extra_config={"connectors": children[::-1] if example_first else children},
     )
 
 
@@ -70,14 +69,23 @@ def test_hma_reporting_full_attention(make_engine, tmp_path):
         assert MultiConnector.all_children_support_hma(engine.vllm_config.kv_transfer_config) == all(children)
 
     ExampleConnector = __import__(va.V1 + ".example_connector", fromlist=["ExampleConnector"]).ExampleConnector
-    ktc = _nixl_plus_non_hma_child_config(tmp_path)
-    mixed = make_engine(kv_transfer_config=ktc)
-    mixed_children = _children_hma(mixed.multi)
-    assert mixed_children == [va.supports_hma(mixed.multi._connectors[0]), va.supports_hma(ExampleConnector)]
-    if not all(mixed_children):
+    assert not va.supports_hma(ExampleConnector)
+    for example_first in (False, True):
+        ktc = _nixl_plus_non_hma_child_config(tmp_path, example_first)
+        mixed = make_engine(kv_transfer_config=ktc)
         assert not va.hma_enabled(mixed.vllm_config), "HMA left on for a MultiConnector with a non-HMA child"
         if hasattr(MultiConnector, "all_children_support_hma"):
-            assert MultiConnector.all_children_support_hma(ktc) is False
+            assert MultiConnector.all_children_support_hma(ktc) is False, (
+                f"children {[type(c).__name__ for c in mixed.multi._connectors]}: one lacks HMA, yet all support it"
+            )
+        # A prefill-side request still finishes through it, with Nixl's params (the non-HMA path).
+        req = va.make_request(
+            "mixed", token_ids(2 * BLOCK + 3), max_tokens=1, kv_transfer_params=va.remote_decode_params()
+        )
+        mixed.scheduler.add_request(req)
+        mixed.step()
+        out = mixed.finished_output("mixed")
+        assert out is not None and out.kv_transfer_params is not None, "the request did not finish with Nixl's params"
 
 
 def test_hma_sliding_window_group_forwarded_to_all_children(make_engine):

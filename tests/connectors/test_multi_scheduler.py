@@ -235,3 +235,48 @@ def test_prefill_finish_returns_nixl_transfer_params(engine):
         assert list(rbi) == held[0]
     assert "prefill-2" in engine.scheduler.requests, "blocks must be held for the remote read"
     assert "prefill-2" not in engine.multi._requests_to_connector
+
+
+# ---------------------------------------------------------------------------
+# 8. every scheduler step reaches every child
+# ---------------------------------------------------------------------------
+def test_every_scheduler_step_reaches_every_child(engine, monkeypatch):
+    """Each scheduler hook MultiConnector gets (a new request, after allocation, building the step's
+    metadata, the workers' output, a request finished) reaches every child as often, and the workers'
+    output reaches each child with that child's own worker metadata (never another child's)."""
+    from kvcompat.testkit.adapter import children as ch
+
+    base = ch.base_class()
+    hooks = ["update_state_after_alloc", "build_connector_meta", "update_connector_output"]
+    hooks += [h for h in ("on_new_request",) if hasattr(base, h)]
+    finish = [h for h in ("request_finished", "request_finished_all_groups") if hasattr(engine.multi, h)]
+    seen_meta: list[list] = [[], []]
+    got_multi = {h: ch.spy(monkeypatch, engine.multi, h) for h in hooks}
+    got_kids = []
+    for i, c in enumerate(engine.multi._connectors):
+        spies = {h: ch.spy(monkeypatch, c, h) for h in hooks if h != "update_connector_output"}
+        real = c.update_connector_output
+
+        def update(output, _i=i, _real=real):
+            seen_meta[_i].append(getattr(output, "kv_connector_worker_meta", None))
+            return _real(output)
+
+        spies["update_connector_output"] = ch.spy(monkeypatch, c, "update_connector_output", update)
+        spies.update({h: ch.spy(monkeypatch, c, h) for h in finish})
+        got_kids.append(spies)
+    prompt = token_ids(3 * BLOCK + 5)
+    engine.scheduler.add_request(va.make_request("hooks", prompt, max_tokens=2))
+    engine.run(["hooks"])
+    engine.settle()
+    for h in hooks:
+        n = len(got_multi[h])
+        assert n > 0, f"the scheduler never called MultiConnector.{h}"
+        per_child = [len(k[h]) for k in got_kids]
+        assert per_child == [n, n], f"{h}: MultiConnector got {n} calls, its children {per_child}"
+    finished = [sum(len(k[h]) for h in finish) for k in got_kids]
+    assert finished == [1, 1], f"the finished request reached the children {finished} times"
+    for i, metas in enumerate(seen_meta):
+        for outer, mine in zip(got_multi["update_connector_output"].args, metas, strict=True):
+            whole = getattr(outer[0], "kv_connector_worker_meta", None)
+            if whole is not None and hasattr(whole, "metadata"):
+                assert mine is whole.metadata[i], f"child {i} was handed another child's worker metadata"

@@ -54,7 +54,7 @@ def _scrub(engine) -> None:
 # 1. the worker side comes up: KV caches registered with every child
 # ---------------------------------------------------------------------------
 def test_register_kv_caches_reaches_every_child(
-    release, tiny_model_dir, nixl_agent, single_rank_distributed, transport
+    release, tiny_model_dir, nixl_agent, single_rank_distributed, transport, monkeypatch
 ):
     """The worker-role MultiConnector the factory builds has both children, and registering the KV
     caches (as the model runner does) reaches every child: Nixl registers DRAM regions covering every
@@ -72,7 +72,13 @@ def test_register_kv_caches_reaches_every_child(
         assert isinstance(kids[va.child_index("nixl", order)], nixl_cls)
         assert isinstance(kids[va.child_index("offload", order)], offload_cls)
         va.prepare_offload_worker(rank, transport)
+        copy_ops = [
+            ch.spy(monkeypatch, c, "set_host_xfer_buffer_ops") for c in kids if hasattr(c, "set_host_xfer_buffer_ops")
+        ]
         rank.register()
+        assert [len(c) for c in copy_ops] in ([], [1, 1]), (
+            f"the host-buffer copy op (Nixl's, for a CPU buffer on a GPU) reached the children {[len(c) for c in copy_ops]} times"
+        )
         (agent,) = _agents(nixl_agent)
         _assert_dram_registration(agent, rank.kv_caches)
         handler = va.offload_worker_handler(kids[va.child_index("offload", order)])
