@@ -182,7 +182,8 @@ def test_transfer_stats_add_up_across_ranks_and_steps(make_engine, monkeypatch):
     """The transfer stats reach the user per child: what Nixl's worker reports on each rank is added
     up by the release's aggregator, the CPU-offload child's own stats (kept on the scheduler side,
     from 0.31) join them under its name, and a step's stats added to the next ones (as the stats
-    logger does) keep each child's running total."""
+    logger does) keep each child's running total: both children report in every step, so a fold
+    that keeps only one child's later steps is seen."""
     if ch.kv_connector_stats_class() is None or not ch.multi_overrides("get_kv_connector_stats"):
         not_applicable("no KV-connector stats in this release")
     Counted = _counted_stats_class()
@@ -195,7 +196,20 @@ def test_transfer_stats_add_up_across_ranks_and_steps(make_engine, monkeypatch):
             lambda: Counted(data={"n": 1}),
         )
     nixl_name = type(engine.worker._connectors[engine.nixl_index]).__name__
+    offload_name = type(engine.offload).__name__
     offload_own = engine.offload.get_kv_connector_stats()  # the scheduler-side child's own stats, if any
+    # The CPU-offload child reports one unit per step too, on the side the release collects it from:
+    # the scheduler's own connector where update_from_output asks it (0.31+), else each worker rank.
+    import inspect
+
+    scheduler_side = "connector.get_kv_connector_stats()" in inspect.getsource(
+        type(engine.scheduler).update_from_output
+    )
+    offload_reporters = (
+        [engine.offload] if scheduler_side else [r.connector._connectors[engine.offload_index] for r in engine.ranks]
+    )
+    for c in offload_reporters:
+        ch.spy(monkeypatch, c, "get_kv_connector_stats", lambda: Counted(data={"n": 1}))
     engine.scheduler.add_request(va.make_request("stats", token_ids(BLOCK + 5), max_tokens=3))
     steps = 3
     for _ in range(steps):
@@ -213,10 +227,9 @@ def test_transfer_stats_add_up_across_ranks_and_steps(make_engine, monkeypatch):
     for s in per_step[1:]:
         total = total.aggregate(s)
     assert total.data[nixl_name].data["n"] == 2 * steps, f"{steps} steps, two ranks: {total.data}"
-    names = [nixl_name]
-    if offload_own is not None:
-        names.append(type(engine.offload).__name__)
-        assert names[1] in total.data, f"the CPU-offload child's stats were dropped: {sorted(total.data)}"
+    assert offload_name in total.data, f"the CPU-offload child's stats were dropped: {sorted(total.data)}"
+    want = len(offload_reporters) * steps
+    assert total.data[offload_name].data["n"] == want, f"{steps} steps of the CPU-offload child: {total.data}"
     # What the stats logger prints and serializes: every child's own, under its name, added up.
     reduced = total.reduce()
     assert reduced == {k: v.reduce() for k, v in expected.items()}, f"reduce(): {reduced}"
@@ -345,6 +358,23 @@ def test_divergent_local_hybrid_hits_only_when_every_child_allows_them(engine):
     kids = {type(c).__name__: c.supports_divergent_local_hybrid_hits for c in engine.multi._connectors}
     assert engine.multi.supports_divergent_local_hybrid_hits is all(kids.values()), f"children: {kids}"
     assert len(set(kids.values())) == 2, f"the pair no longer disagrees ({kids}): this test sees less"
+
+
+@pytest.mark.parametrize("preferring", ["nixl", "offload", "both"])
+def test_cross_layer_blocks_only_when_every_child_prefers_them(engine, monkeypatch, preferring):
+    """The model runner lays the KV cache out across layers (one tensor for all of them) only when
+    the connector prefers it: MultiConnector prefers it exactly when every child does, so a child
+    that registers per-layer caches (the CPU offload) never gets a layout it cannot take.  (On this
+    CPU Nixl does not prefer it, so each child's answer is set here.)"""
+    MultiConnector, _ = va.multi_classes()
+    if "prefer_cross_layer_blocks" not in vars(MultiConnector):
+        not_applicable("MultiConnector has no prefer_cross_layer_blocks in this release")
+    yes = {"nixl": {engine.nixl_index}, "offload": {engine.offload_index}, "both": {0, 1}}[preferring]
+    for i, c in enumerate(engine.worker._connectors):
+        monkeypatch.setattr(type(c), "prefer_cross_layer_blocks", property(lambda _self, _y=(i in yes): _y))
+    assert engine.worker.prefer_cross_layer_blocks is (len(yes) == 2), (
+        f"children preferring cross-layer blocks: {preferring}; MultiConnector: {engine.worker.prefer_cross_layer_blocks}"
+    )
 
 
 def test_kv_delivery_required_when_any_child_requires_it(engine):

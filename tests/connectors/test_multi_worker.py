@@ -92,6 +92,21 @@ def test_register_kv_caches_reaches_every_child(
         rank.shutdown()
 
 
+def test_cross_layer_kv_cache_reaches_every_child(engine, monkeypatch):
+    """Where the model runner registers one KV cache for all layers (a uniform layout the connector
+    prefers), MultiConnector hands that cache and its attention backend to every child, as it does the
+    per-layer caches."""
+    multi = engine.worker
+    if "register_cross_layers_kv_cache" not in vars(type(multi)):
+        not_applicable("MultiConnector has no register_cross_layers_kv_cache in this release")
+    calls = [ch.spy(monkeypatch, c, "register_cross_layers_kv_cache", lambda *a: None) for c in multi._connectors]
+    cache, backend = object(), object()
+    multi.register_cross_layers_kv_cache(cache, backend)
+    assert [c.args for c in calls] == [[(cache, backend)], [(cache, backend)]], (
+        f"the cross-layer KV cache reached the children {[len(c) for c in calls]} times"
+    )
+
+
 # ---------------------------------------------------------------------------
 # 2. every worker step reaches every child
 # ---------------------------------------------------------------------------
