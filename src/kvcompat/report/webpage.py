@@ -240,6 +240,19 @@ def render_html(rep: Report) -> str:
         body.append("</tr>")
     body.append("</table>")
     body.extend(_panel(rep, gc) for gc in rep.ordered())
+    e2e = rep.e2e_disagreements()
+    if e2e:
+        body.append(
+            "<h2>End to end and the connector suite disagree</h2><p>The same release's connector code, run by "
+            "real engines (e2e) and by our connector suite: where one is green and the other red, one of the two "
+            "has a hole.</p><ul>"
+        )
+        body.extend(
+            f'<li>{escape(ours.row)}: the connector suite says <a href="#{panel_id(ours)}">{escape(ours.text())}</a>, '
+            f'e2e says <a href="#{panel_id(gc)}">{escape(gc.text())}</a></li>'
+            for ours, gc in e2e
+        )
+        body.append("</ul>")
 
     episodes = rep.episodes()
     if episodes:

