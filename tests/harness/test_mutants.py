@@ -424,3 +424,20 @@ def test_cells_are_picked_as_nox_k_picks_them():
     assert pick(cells, "torch_2_11 or vllm_0_33_0") == cells
     with pytest.raises(mutation.MutationError, match="is not a Python expression"):
         pick(cells, "vllm 0.33")
+
+
+def test_a_rerun_of_some_mutants_keeps_the_other_verdicts(tmp_path):
+    """`nox -s mutants -- --mutant ID` rescores ID and keeps the previous run's other verdicts (same target
+    and pytest arguments); a different target keeps nothing."""
+    v = mutation.MutantVerdict
+    previous = mutation.MutationRun(cell={"id": "c"}, catalogue="x", target="sha-1", started="t", scored=True)
+    previous.mutants = [v("a", "A", "", "killed"), v("b", "B", "", "survived"), v("c", "C", "", "killed")]
+    out = tmp_path / "mutants-c.json"
+    out.write_text(json.dumps(previous.to_json()))
+    rerun = mutation.MutationRun(cell={"id": "c"}, catalogue="x", target="sha-1", started="t2")
+    kept = mutation._kept_verdicts(out, rerun, ("b",))
+    merged = mutation._merge(kept, [v("b", "B", "", "equivalent", reason="why")])
+    assert [(m.id, m.status) for m in merged] == [("a", "killed"), ("b", "equivalent"), ("c", "killed")]
+    assert mutation._kept_verdicts(out, rerun, ()) == []  # a full run keeps nothing
+    other = mutation.MutationRun(cell={"id": "c"}, catalogue="x", target="sha-2", started="t2")
+    assert mutation._kept_verdicts(out, other, ("b",)) == []

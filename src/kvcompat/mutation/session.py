@@ -141,6 +141,25 @@ class MutationRun:
         }
 
 
+def _kept_verdicts(out: Path, run: MutationRun, only: tuple[str, ...]) -> list[MutantVerdict]:
+    """With ``only``: the previous run's verdicts, when it scored the same target with the same pytest
+    arguments (else nothing is kept: a changed release or test selection is scored afresh)."""
+    prev = read_run(out) if only else None
+    if not prev or not prev.get("scored") or prev.get("target") != run.target:
+        return []
+    if prev.get("pytest_args", []) != run.pytest_args:
+        return []
+    fields = {f.name for f in dataclasses.fields(MutantVerdict)}
+    return [MutantVerdict(**{k: v for k, v in m.items() if k in fields}) for m in prev.get("mutants", [])]
+
+
+def _merge(kept: list[MutantVerdict], new: list[MutantVerdict]) -> list[MutantVerdict]:
+    """The previous verdicts in their order, each replaced by its new one; new ids after them."""
+    fresh = {v.id: v for v in new}
+    merged = [fresh.pop(v.id, v) for v in kept]
+    return merged + list(fresh.values())
+
+
 def read_run(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
@@ -219,6 +238,10 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> Mu
             coverage=gen.coverage(source, reasons),
         )
         out = results_path(mo.results_dir, cell.id)
+        # --mutant ID reruns those mutants only: the previous full run's other verdicts are kept, so a
+        # rerun of a few (a new test, a new equivalence reason) never loses the rest of the score.
+        kept = _kept_verdicts(out, run, mo.only)
+        run.planned += len(kept)
         _baseline(ctx, run)
         write_atomic(out, json.dumps(run.to_json(), indent=1))
         if not run.scored:
@@ -238,11 +261,15 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> Mu
             else:
                 verdict = _score(ctx, guard, mutant, mutated, passed, killers)
             decided[mutant.id] = verdict
-            run.mutants.append(verdict)
+            run.mutants = _merge(kept, list(decided.values()))
             ctx.say(f"mutant {n}/{len(plan)} {mutant.id}: {_say(verdict)}")
             write_atomic(out, json.dumps(run.to_json(), indent=1))
         run.finished = now()
         write_atomic(out, json.dumps(run.to_json(), indent=1))
+        if kept:
+            ctx.say(
+                f"kept the previous run's verdicts of {len([k for k in kept if k.id not in decided])} other mutants"
+            )
         c = run.counts()
         ctx.say(
             f"{c[KILLED]} killed, {c[SURVIVED]} survived, {c[NOT_APPLICABLE]} not applicable, "
