@@ -496,3 +496,20 @@ def test_cells_install_one_at_a_time_so_uv_never_downloads_a_wheel_twice(
     worker.join(120)
     (result,) = done
     assert result.outcome is Outcome.PASS and result.phases["install_wait"] >= 1.0
+
+
+def test_a_cells_line_names_its_failing_tests_first():
+    """Issue 27: "24/27 tests passed; 3 not run here (…)" named the tests that did not run, not the ones that
+    failed.  The line now leads with the red tests, failures first and a blocked test last."""
+    from kvcompat.outcomes import TestOutcome
+    from kvcompat.results import TestResult
+    from kvcompat.run.suites import failing_first
+
+    t = [
+        TestResult("tests/connectors/t.py::test_ok", TestOutcome.PASSED, 1.0),
+        TestResult("tests/connectors/t.py::test_blocked", TestOutcome.ERROR, 1.0, "x", blocked_by="test_owner"),
+        TestResult("tests/connectors/t.py::test_owner", TestOutcome.FAILED, 1.0, "boom"),
+        TestResult("tests/connectors/t.py::test_refused", TestOutcome.UNSUPPORTED, 1.0, "no"),
+    ]
+    assert failing_first(t) == "1 failed, 1 unsupported, 1 error: test_owner, test_refused, test_blocked (blocked); "
+    assert failing_first(t[:1]) == ""

@@ -149,7 +149,7 @@ def run_pytest(ctx: CellContext, suite: str, run: SuiteRun) -> SuiteVerdict:
             tests,
             python,
         )
-    detail = f"{count_tests(tests)['passed']}/{len(tests)} tests passed"
+    detail = failing_first(tests) + f"{count_tests(tests)['passed']}/{len(tests)} tests passed"
     if outcome is Outcome.UNSUPPORTED:  # the release's refusal is the finding: name it at a glance
         refused = next(t for t in tests if t.outcome is TestOutcome.UNSUPPORTED)
         detail += f"; unsupported: {(refused.message or '')[:240]}"
@@ -232,6 +232,23 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
         abi=abi,
         integrity=installed.integrity,
     )
+
+
+# How many red tests a cell's line names before it says how many passed.
+NAMED_FAILURES = 6
+
+
+def failing_first(tests: list[TestResult]) -> str:
+    """The red tests of a suite, named first (failed, then unsupported, then errors; a test blocked by
+    another contract's setup last, it is not its own finding), so a cell's line leads with what broke."""
+    order = {TestOutcome.FAILED: 0, TestOutcome.UNSUPPORTED: 1, TestOutcome.ERROR: 2}
+    red = sorted((t for t in tests if t.outcome in order), key=lambda t: (order[t.outcome], t.blocked_by is not None))
+    if not red:
+        return ""
+    names = [t.nodeid.split("::")[-1] + (" (blocked)" if t.blocked_by else "") for t in red[:NAMED_FAILURES]]
+    more = f" and {len(red) - NAMED_FAILURES} more" if len(red) > NAMED_FAILURES else ""
+    kinds = ", ".join(f"{n} {o.value}" for o in order if (n := sum(t.outcome is o for t in red)))
+    return f"{kinds}: {', '.join(names)}{more}; "
 
 
 def _read_json(path: Path) -> dict | None:
