@@ -23,6 +23,7 @@ from typing import Any
 
 from kvcompat.testkit.e2e.engine import MARK
 
+ENGINE_MODULE = "kvcompat.testkit.e2e.engine"
 START_TIMEOUT_S = float(os.environ.get("KVCOMPAT_E2E_START_TIMEOUT", "300"))
 STAGE_TIMEOUT_S = float(os.environ.get("KVCOMPAT_E2E_STAGE_TIMEOUT", "180"))
 
@@ -68,7 +69,9 @@ def engine_env(side_channel_port: int, extra: dict[str, str] | None = None) -> d
 class EngineProcess:
     """One engine (:mod:`kvcompat.testkit.e2e.engine`) in a child process."""
 
-    def __init__(self, name: str, spec: dict[str, Any], *, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, spec: dict[str, Any], *, env: dict[str, str] | None = None, module: str = ENGINE_MODULE
+    ) -> None:
         self.name = name
         self.spec = dict(spec)
         self.side_channel_port = free_port()
@@ -76,7 +79,7 @@ class EngineProcess:
         self._answers: queue.Queue[dict | None] = queue.Queue()
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcompat.testkit.e2e.engine", json.dumps(self.spec)],
+            [sys.executable, "-m", module, json.dumps(self.spec)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
