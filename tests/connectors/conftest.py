@@ -60,6 +60,11 @@ STORED = "test_offload_child_loads_prefix_after_store_completes"
 P_ENGINE = "kvcompat-prefill"
 D_ENGINE = "kvcompat-decode"
 MAX_IDLE_STEPS = 60  # what an engine may take to drain once its requests are done
+# Nixl's handshake and notifications run on its own threads: a real engine keeps stepping in wall time
+# while they do.  On a loaded machine (cells side by side, a mutation run) those threads can be starved
+# for longer than MAX_IDLE_STEPS fast steps take, so waiting for transfer work also lasts at least this
+# long (with a short sleep per step once the step budget is spent) before it is called lost.
+TRANSFER_WAIT_S = 15.0
 # Between two steps an engine core returns outputs and reads input; the CPU-offload worker's copy
 # thread runs meanwhile (EngineCore's loop also sleeps 1 ms when a step ran nothing).  Without the
 # pause this process would hold the GIL from one step to the next and starve that thread.
@@ -120,6 +125,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
 def token_ids(n: int, start: int = 10) -> list[int]:
     """n prompt tokens that avoid BOS/EOS."""
     return [start + (i % 400) for i in range(n)]
+
+
+def _patient_steps(max_steps: int):
+    """Step numbers: at least ``max_steps``, and steps on (sleeping a little between them) until
+    TRANSFER_WAIT_S of wall time have passed, for work that other threads finish (see TRANSFER_WAIT_S)."""
+    start = time.monotonic()
+    n = 0
+    while n < max_steps or time.monotonic() - start < TRANSFER_WAIT_S:
+        if n >= max_steps:
+            time.sleep(0.02)
+        yield n
+        n += 1
 
 
 @dataclass(repr=False)  # a failing test's message shows the engine: not all of its state
@@ -192,7 +209,7 @@ class Engine:
 
     def run(self, req_ids: list[str], max_steps: int = 60) -> None:
         """Step until every request in ``req_ids`` has finished (fails after ``max_steps``)."""
-        for _ in range(max_steps):
+        for _ in _patient_steps(max_steps):
             if all(self.finished_output(r) is not None for r in req_ids):
                 return
             self.step()
@@ -214,11 +231,12 @@ class Engine:
     def settle(self, max_steps: int = MAX_IDLE_STEPS) -> int:
         """Step until no request holds a block any more (stores done, sends read), or ``max_steps``, as
         an engine that keeps serving traffic does; return the steps taken (the caller checks the blocks)."""
-        for n in range(max_steps):
+        n = 0
+        for n in _patient_steps(max_steps):
             if self.free_blocks() == self.baseline_free and not self.scheduler.has_unfinished_requests():
                 return n
             self.step()
-        return max_steps
+        return n
 
     def finished_output(self, req_id: str) -> Any:
         for o in self.outputs.get(req_id, []):
