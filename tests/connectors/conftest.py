@@ -127,7 +127,7 @@ def token_ids(n: int, start: int = 10) -> list[int]:
     return [start + (i % 400) for i in range(n)]
 
 
-def _patient_steps(max_steps: int):
+def patient_steps(max_steps: int):
     """Step numbers: at least ``max_steps``, and steps on (sleeping a little between them) until
     TRANSFER_WAIT_S of wall time have passed, for work that other threads finish (see TRANSFER_WAIT_S)."""
     start = time.monotonic()
@@ -209,7 +209,7 @@ class Engine:
 
     def run(self, req_ids: list[str], max_steps: int = 60) -> None:
         """Step until every request in ``req_ids`` has finished (fails after ``max_steps``)."""
-        for _ in _patient_steps(max_steps):
+        for _ in patient_steps(max_steps):
             if all(self.finished_output(r) is not None for r in req_ids):
                 return
             self.step()
@@ -232,7 +232,7 @@ class Engine:
         """Step until no request holds a block any more (stores done, sends read), or ``max_steps``, as
         an engine that keeps serving traffic does; return the steps taken (the caller checks the blocks)."""
         n = 0
-        for n in _patient_steps(max_steps):
+        for n in patient_steps(max_steps):
             if self.free_blocks() == self.baseline_free and not self.scheduler.has_unfinished_requests():
                 return n
             self.step()
@@ -406,7 +406,7 @@ def pd_read_is_byte_exact(p: Engine, d: Engine, rid: str, prompt: list[int]) -> 
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, req.status
     d_blocks = va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids(rid))
     full = len(prompt) // BLOCK
-    for _ in range(400):  # the read runs over loopback: up to a few seconds on a loaded machine
+    for _ in patient_steps(400):  # the read runs over loopback: up to a few seconds on a loaded machine
         d.step()
         p.step()
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -423,7 +423,7 @@ def pd_read_is_byte_exact(p: Engine, d: Engine, rid: str, prompt: list[int]) -> 
                 )
                 compared += 1
     d.run([rid])
-    for _ in range(100):
+    for _ in patient_steps(100):
         if rid not in p.scheduler.requests:
             break
         p.step()

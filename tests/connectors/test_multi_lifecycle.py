@@ -19,7 +19,7 @@ from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable
 from kvcompat.testkit.adapter import children as ch
 
-from conftest import BLOCK, stored_prefix, token_ids
+from conftest import BLOCK, patient_steps, stored_prefix, token_ids
 
 
 def _finish_hooks(child) -> list[str]:
@@ -174,7 +174,7 @@ def test_failed_load_tokens_are_recomputed_not_counted(engine, monkeypatch):
     engine.scheduler.add_request(req)
     engine.step()
     assert engine.transfers.loads(), "the CPU-offload child did not take the load"
-    for _ in range(20):
+    for _ in patient_steps(20):  # the copy thread completes the load
         if failed:
             break
         engine.step()
@@ -294,7 +294,7 @@ def test_finished_recving_unblocks_the_waiting_request(request, transport, nixl_
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"ran before its load finished ({req.status})"
     transport.release()
     nixl_agent.polls_until_done = 1
-    for _ in range(20):
+    for _ in patient_steps(20):  # Nixl's and the copy thread's completions come from other threads
         engine.step()
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             break

@@ -19,7 +19,7 @@ from kvcompat.testkit import not_applicable, setup_owned_by
 from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 
-from conftest import BLOCK, STORED, pd_read_is_byte_exact, stored_prefix, token_ids
+from conftest import BLOCK, STORED, patient_steps, pd_read_is_byte_exact, stored_prefix, token_ids
 
 
 def _agents(fake_nixl) -> list[FakeNixlWrapper]:
@@ -177,7 +177,7 @@ def test_cpu_tier_round_trip_is_byte_exact(engine, transport):
 
     req = va.make_request("trip-dst", prompt, max_tokens=3)
     engine.scheduler.add_request(req)
-    for _ in range(30):
+    for _ in patient_steps(30):  # the copy thread completes the load
         engine.step()
         if req.status == RequestStatus.RUNNING:  # its load has finished and it computes again
             break
