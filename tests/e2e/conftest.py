@@ -14,11 +14,15 @@ model is made at test time (kvcompat.testkit.e2e.model) and cached beside the ce
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from workload import CONTROL, CPU_BLOCKS, MAX_TOKENS, PD_DEVICE_BLOCKS, PROMPTS, REMOTE_DECODE, ROUND_TRIP_DEVICE_BLOCKS
 
 from kvcompat.testkit import record_fact
 from kvcompat.testkit.e2e import engines, model
+
+LOG_STATS_ENV = "KVCOMPAT_E2E_LOG_STATS"
 
 
 class Fleet:
@@ -26,9 +30,11 @@ class Fleet:
     tests need together, so their starts overlap."""
 
     def __init__(self, model_dir) -> None:
-        multi = {"model": str(model_dir), "connector": "multi", "cpu_blocks": CPU_BLOCKS}
+        # Stats logging stays LLM's default (off) unless asked for: see kvcompat.testkit.e2e.engine.build_llm.
+        plain = {"model": str(model_dir), "log_stats": os.environ.get(LOG_STATS_ENV) == "1"}
+        multi = {**plain, "connector": "multi", "cpu_blocks": CPU_BLOCKS}
         self.specs = {
-            "reference": {"model": str(model_dir)},
+            "reference": plain,
             "round-trip": {**multi, "num_gpu_blocks": ROUND_TRIP_DEVICE_BLOCKS, "engine_id": "kvcompat-round-trip"},
             "prefill": {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-prefill"},
             "decode": {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-decode"},
