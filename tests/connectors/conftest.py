@@ -127,6 +127,15 @@ def token_ids(n: int, start: int = 10) -> list[int]:
     return [start + (i % 400) for i in range(n)]
 
 
+def wait_until(predicate, timeout: float = TRANSFER_WAIT_S):
+    """Poll ``predicate`` (without stepping the engine) until it holds or ``timeout`` seconds pass; its last
+    answer.  For work another thread does within a step's aftermath (a copy thread submitting a copy)."""
+    deadline = time.monotonic() + timeout
+    while not (answer := predicate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return answer
+
+
 def patient_steps(max_steps: int):
     """Step numbers: at least ``max_steps``, and steps on (sleeping a little between them) until
     TRANSFER_WAIT_S of wall time have passed, for work that other threads finish (see TRANSFER_WAIT_S)."""

@@ -19,7 +19,7 @@ from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable
 from kvcompat.testkit.adapter import children as ch
 
-from conftest import BLOCK, patient_steps, stored_prefix, token_ids
+from conftest import BLOCK, patient_steps, stored_prefix, token_ids, wait_until
 
 
 def _finish_hooks(child) -> list[str]:
@@ -173,7 +173,8 @@ def test_failed_load_tokens_are_recomputed_not_counted(engine, monkeypatch):
     req = va.make_request("fail-dst", prompt, max_tokens=2)
     engine.scheduler.add_request(req)
     engine.step()
-    assert engine.transfers.loads(), "the CPU-offload child did not take the load"
+    # The worker hands its copies to its copy thread: the load is submitted when that thread runs.
+    assert wait_until(engine.transfers.loads), "the CPU-offload child did not take the load"
     for _ in patient_steps(20):  # the copy thread completes the load
         if failed:
             break
