@@ -57,12 +57,13 @@ def test_repeated_prompts_are_served_from_the_cpu_tier_with_the_reference_tokens
         assert out["token_ids"] == reference[prompt], "tokens served from the CPU tier differ from a plain engine's"
 
 
-def test_prefill_then_decode_over_nixl_gives_the_reference_tokens(fleet, request, prefilled):
+def test_prefill_then_decode_over_nixl_gives_the_reference_tokens(fleet, request):
     """P/D as vLLM's proxy runs it: the prefill engine computes the prompt (max_tokens=1,
     do_remote_decode), the decode engine reads the KV over NIXL with the returned kv_transfer_params;
     the decode's tokens equal a plain engine's."""
     with setup_owned_by(REFERENCE):
         reference = request.getfixturevalue("reference_tokens")
+    prefilled = request.getfixturevalue("prefilled")  # the prefill side is this contract's own
     for prompt in PROMPTS:
         params = prefilled[prompt]
         assert params and params.get("do_remote_prefill"), f"the prefill returned no remote-prefill params: {params}"
@@ -79,15 +80,17 @@ def test_prefill_then_decode_over_nixl_gives_the_reference_tokens(fleet, request
         assert out["token_ids"] == reference[prompt], "the decode's tokens differ from a plain engine's"
 
 
-def test_the_decode_uses_the_transferred_kv(fleet, request, prefilled):
+def test_the_decode_uses_the_transferred_kv(fleet, request):
     """Control for the P/D contract: given another prompt's remote blocks (same length), the decode
     follows that KV and its tokens differ from its own prompt's reference; a decode that recomputed
     the prompt locally would pass the P/D test without NIXL moving anything."""
     with setup_owned_by(REFERENCE):
         reference = request.getfixturevalue("reference_tokens")
     a, b = CONTROL
-    with setup_owned_by(PD):
+    with setup_owned_by(PD):  # both engines up and a prefill's params: the P/D contract's
+        prefilled = request.getfixturevalue("prefilled")
         assert prefilled[a] and prefilled[a].get("do_remote_prefill"), f"no remote-prefill params: {prefilled[a]}"
+        fleet.decode.wait_ready()
     got = fleet.decode.generate(
         [b], stage="decode (control)", max_tokens=MAX_TOKENS, kv_transfer_params=[proxy_params(prefilled[a])]
     )
