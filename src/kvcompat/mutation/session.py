@@ -446,7 +446,17 @@ class _Keywords(dict):
 
 
 def select_cells(cells: list[Cell], expression: str | None) -> list[Cell]:
-    """The cells whose tags (and id) match ``expression``, as ``nox -k`` matches the matrix sessions."""
+    """The cells whose tags (and id) match ``expression``, as ``nox -k`` matches the matrix sessions.
+
+    Only cells that run our connector suite: mutants are scored by it (an e2e-only cell has no
+    baseline to score against)."""
+    ours = [c for c in cells if "ours" in c.suites]
+    if not ours:
+        raise MutationError(
+            'no cell of this matrix runs the connector suite (suites = ["ours"]), which scores the mutants; '
+            "pick a matrix that does with KVCOMPAT_MATRIX=… (e.g. history)"
+        )
+    cells = ours
     if not expression:
         return list(cells)
     try:
