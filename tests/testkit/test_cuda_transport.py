@@ -89,3 +89,20 @@ def test_an_unknown_fault_is_refused():
         [sys.executable, "-c", "import kvcompat.testkit.cuda_transport"], env=env, capture_output=True, text=True
     )
     assert proc.returncode != 0 and "is not a transport fault" in proc.stderr
+
+
+def test_every_process_keeps_its_tally_and_they_add_up(tmp_path, monkeypatch):
+    """A real engine may copy in a worker process of its own: each process's stand-in keeps its counts in
+    the tally folder, and the engine adds them up."""
+    import ctypes
+
+    from kvcompat.testkit import cuda_transport as ct
+
+    monkeypatch.setenv(ct.TALLY_ENV, str(tmp_path))
+    (tmp_path / "1.json").write_text('{"batches": 2, "stores": 5, "loads": 1}')  # another process
+    t = ct.CudaTransport()
+    src, dst = ctypes.create_string_buffer(b"abcd"), ctypes.create_string_buffer(4)
+    arrays = [(ctypes.c_uint64 * 1)(ctypes.addressof(x)) for x in (dst, src)] + [(ctypes.c_uint64 * 1)(4)]
+    t.batch_memcpy(*(ctypes.addressof(a) for a in arrays), 1, None, None, 1)
+    assert dst.raw == b"abcd"
+    assert ct.tally(str(tmp_path)) == {"batches": 3, "stores": 6, "loads": 1}

@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import dataclasses
 import importlib
+import json
 import os
 import threading
 import types
@@ -36,6 +37,9 @@ from collections.abc import Iterator
 from typing import Any
 
 FAULT_ENV = "KVCOMPAT_CUDA_TRANSPORT_FAULT"
+# A folder where every process's stand-in keeps its tally (<pid>.json): a real engine may run its worker
+# in a process of its own (vLLM's multiproc executor), where the copies happen (see tally()).
+TALLY_ENV = "KVCOMPAT_CUDA_TRANSPORT_TALLY"
 FAULTS = ("drop-loads", "wrong-blocks")
 # The SimpleCPUOffload worker modules that use CUDA streams and events (disk_backend from 0.28).
 WORKER_MODULES = (
@@ -153,7 +157,19 @@ class CudaTransport:
             self.submitted += len(batch)
             if not self.held:
                 self._drain()
+            self._write_tally()
         return 0
+
+    def counts(self) -> dict[str, int]:
+        return {"batches": len(self.batches), "stores": len(self.stores()), "loads": len(self.loads())}
+
+    def _write_tally(self) -> None:
+        folder = os.environ.get(TALLY_ENV)
+        if folder:
+            path = os.path.join(folder, f"{os.getpid()}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(self.counts(), f)
+            os.replace(path + ".tmp", path)
 
     def _drain(self) -> None:
         for c in self._queued:
@@ -174,6 +190,17 @@ class CudaTransport:
     def done_up_to(self, count: int) -> bool:
         with self._lock:
             return self.completed >= count
+
+
+def tally(folder: str) -> dict[str, int]:
+    """The copies of every process whose stand-in kept its tally in ``folder`` (TALLY_ENV), added up."""
+    total = {"batches": 0, "stores": 0, "loads": 0}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                for k, v in json.load(f).items():
+                    total[k] = total.get(k, 0) + v
+    return total
 
 
 def _fault_from_environment() -> str | None:

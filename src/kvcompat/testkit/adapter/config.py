@@ -115,7 +115,9 @@ def offload_child_config(
         "kv_connector": name,
         "kv_role": "kv_both",
         "kv_connector_module_path": OFFLOAD_CHILD_MODULE,
-        "kv_connector_extra_config": offload_child_extra_config(block_size, num_gpu_blocks, world_size, bytes_per_block),
+        "kv_connector_extra_config": offload_child_extra_config(
+            block_size, num_gpu_blocks, world_size, bytes_per_block
+        ),
     }
 
 

@@ -15,7 +15,9 @@ stdout/stderr is vLLM's log, kept by the parent for error messages.  After start
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -94,13 +96,12 @@ def counters(llm: Any, spec: dict) -> dict:
     try:
         from kvcompat.testkit import cuda_transport
 
-        t = cuda_transport.TRANSPORT
+        # Every process's copies: the worker may run in a process of its own (multiproc executor).
+        counts = cuda_transport.tally(os.environ[cuda_transport.TALLY_ENV])
         out["transport"] = {
+            **counts,
             "installed": list(cuda_transport.INSTALLED),
-            "batches": len(t.batches),
-            "stores": len(t.stores()),
-            "loads": len(t.loads()),
-            "fault": t.fault,
+            "fault": cuda_transport.TRANSPORT.fault,
         }
     except Exception as exc:  # noqa: BLE001 - reported, the suite decides
         out["transport"] = {"error": repr(exc)}
@@ -151,6 +152,10 @@ def generate(llm: Any, spec: dict, req: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
+    from kvcompat.testkit import cuda_transport
+
+    # Before vLLM starts any worker process: they inherit the folder and keep their tallies in it.
+    os.environ[cuda_transport.TALLY_ENV] = tempfile.mkdtemp(prefix="kvcompat-transport-")
     t0 = time.monotonic()
     try:
         llm = build_llm(spec)
