@@ -64,7 +64,15 @@ def warm(tag: str) -> float:
     return wall
 
 
-def floor(python: Path) -> float:
+def bytecode(cell_id: str) -> str:
+    """The cell's bytecode folder: the floor reads the same compiled vLLM as the cell (without it the floor
+    recompiles vLLM and torch in every engine, and measures that instead)."""
+    from kvcompat.run.cellfiles import CellFiles
+
+    return str(CellFiles(REPO / ".kvcompat" / "cells" / cell_id, REPO / "results", cell_id).bytecode)
+
+
+def floor(python: Path, cell_id: str) -> float:
     from workload import CPU_BLOCKS, PD_DEVICE_BLOCKS, PROMPTS, ROUND_TRIP_DEVICE_BLOCKS
 
     from kvcompat.testkit.e2e import engines
@@ -83,7 +91,9 @@ def floor(python: Path) -> float:
     procs = [
         subprocess.Popen(
             [str(python), "-c", FLOOR_ENGINE, json.dumps(s), json.dumps(PROMPTS)],
-            env=engines.engine_env(engines.free_port(), {"PYTHONPATH": str(REPO / "src")}),
+            env=engines.engine_env(
+                engines.free_port(), {"PYTHONPATH": str(REPO / "src"), "PYTHONPYCACHEPREFIX": bytecode(cell_id)}
+            ),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -108,7 +118,7 @@ def main() -> int:
     print(f"cell {cell_id}")
     ratios = []
     for i in range(args.rounds):
-        f = floor(python)
+        f = floor(python, cell_id)
         w = warm(args.cell)
         ratios.append(w / f)
         print(f"round {i + 1}: floor {f:6.1f}s  warm cell {w:6.1f}s  ratio {w / f:.2f}x  (goal: warm <= 90 s)")
