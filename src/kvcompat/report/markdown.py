@@ -149,8 +149,8 @@ def render_markdown(rep: Report) -> str:
             "",
         ]
         out += [
-            f"- {ours.row}: the connector suite says **{ours.outcome.label}** ({ours.text()}), e2e says "
-            f"**{e2e_gc.outcome.label}** ({e2e_gc.text()}){_first_bad(e2e_gc)}"
+            f"- {ours.row}: the connector suite says **{ours.outcome.label}** ({ours.text()}){_first_bad(ours)}; "
+            f"e2e says **{e2e_gc.outcome.label}** ({e2e_gc.text()}){_first_bad(e2e_gc)}"
             for ours, e2e_gc in e2e
         ] + [""]
 
