@@ -43,7 +43,7 @@ def test_unknown_matrix_name(tmp_path):
     proc = nox("-l", env={"KVCOMPAT_MATRIX": "nightly"})
     assert (
         proc.returncode == 2
-        and "choose one of: abi, default, environments, history, releases, suites" in proc.stderr
+        and "choose one of: abi, default, e2e, environments, history, releases, suites" in proc.stderr
         and "Traceback" not in proc.stderr
     )
 
