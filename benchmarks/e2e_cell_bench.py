@@ -64,35 +64,23 @@ def warm(tag: str) -> float:
     return wall
 
 
-def bytecode(cell_id: str) -> str:
-    """The cell's bytecode folder: the floor reads the same compiled vLLM as the cell (without it the floor
-    recompiles vLLM and torch in every engine, and measures that instead)."""
-    from kvcompat.run.cellfiles import CellFiles
-
-    return str(CellFiles(REPO / ".kvcompat" / "cells" / cell_id, REPO / "results", cell_id).bytecode)
-
-
 def floor(python: Path, cell_id: str) -> float:
-    from workload import CPU_BLOCKS, PD_DEVICE_BLOCKS, PROMPTS, ROUND_TRIP_DEVICE_BLOCKS
+    from warm_cell_bench import cell_files  # the cell's bytecode: the floor reads the same compiled vLLM
+    from workload import PROMPTS, engine_specs
 
     from kvcompat.testkit.e2e import engines
 
     model_dir = python.parent.parent / "kvcompat-e2e-model"
     if not (model_dir / "ready").is_file():
         sys.exit(f"no tiny model in {model_dir}: run the cell once")
-    multi = {"model": str(model_dir), "connector": "multi", "cpu_blocks": CPU_BLOCKS}
-    specs = [
-        {"model": str(model_dir)},
-        {**multi, "num_gpu_blocks": ROUND_TRIP_DEVICE_BLOCKS, "engine_id": "floor-rt"},
-        {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "floor-p"},
-        {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "floor-d"},
-    ]
+    specs = list(engine_specs(model_dir).values())
+    bytecode = str(cell_files(cell_id).bytecode)
     t0 = time.monotonic()
     procs = [
         subprocess.Popen(
             [str(python), "-c", FLOOR_ENGINE, json.dumps(s), json.dumps(PROMPTS)],
             env=engines.engine_env(
-                engines.free_port(), {"PYTHONPATH": str(REPO / "src"), "PYTHONPYCACHEPREFIX": bytecode(cell_id)}
+                engines.free_port(), {"PYTHONPATH": str(REPO / "src"), "PYTHONPYCACHEPREFIX": bytecode}
             ),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

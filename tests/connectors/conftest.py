@@ -127,6 +127,16 @@ def token_ids(n: int, start: int = 10) -> list[int]:
     return [start + (i % 400) for i in range(n)]
 
 
+def assert_every_call_reached_every_child(got_multi: dict, got_kids: list[dict], hooks, caller: str) -> None:
+    """Each hook in ``hooks`` that ``caller`` made on MultiConnector (``got_multi``, at least once) reached
+    both children (``got_kids``, spies per child) exactly as often."""
+    for h in hooks:
+        n = len(got_multi[h])
+        assert n > 0, f"the {caller} never called MultiConnector.{h}"
+        per_child = [len(kid[h]) for kid in got_kids]
+        assert per_child == [n, n], f"{h}: MultiConnector got {n} calls, its children {per_child}"
+
+
 def wait_until(predicate, timeout: float = TRANSFER_WAIT_S):
     """Poll ``predicate`` (without stepping the engine) until it holds or ``timeout`` seconds pass; its last
     answer.  For work another thread does within a step's aftermath (a copy thread submitting a copy)."""

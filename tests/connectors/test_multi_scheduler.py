@@ -13,7 +13,7 @@ from packaging.version import Version
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import probes, setup_owned_by
 
-from conftest import BLOCK, STORED, stored_prefix, token_ids
+from conftest import BLOCK, STORED, assert_every_call_reached_every_child, stored_prefix, token_ids
 
 
 def _release_at_least(v: str) -> bool:
@@ -268,11 +268,7 @@ def test_every_scheduler_step_reaches_every_child(engine, monkeypatch):
     engine.scheduler.add_request(va.make_request("hooks", prompt, max_tokens=2))
     engine.run(["hooks"])
     engine.settle()
-    for h in hooks:
-        n = len(got_multi[h])
-        assert n > 0, f"the scheduler never called MultiConnector.{h}"
-        per_child = [len(k[h]) for k in got_kids]
-        assert per_child == [n, n], f"{h}: MultiConnector got {n} calls, its children {per_child}"
+    assert_every_call_reached_every_child(got_multi, got_kids, hooks, "scheduler")
     finished = [sum(len(k[h]) for h in finish) for k in got_kids]
     assert finished == [1, 1], f"the finished request reached the children {finished} times"
     for i, metas in enumerate(seen_meta):

@@ -19,7 +19,15 @@ from kvcompat.testkit import not_applicable, setup_owned_by
 from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 
-from conftest import BLOCK, STORED, patient_steps, pd_read_is_byte_exact, stored_prefix, token_ids
+from conftest import (
+    BLOCK,
+    STORED,
+    assert_every_call_reached_every_child,
+    patient_steps,
+    pd_read_is_byte_exact,
+    stored_prefix,
+    token_ids,
+)
 
 
 def _agents(fake_nixl) -> list[FakeNixlWrapper]:
@@ -147,11 +155,7 @@ def test_every_worker_step_reaches_every_child(engine, monkeypatch):
     engine.scheduler.add_request(va.make_request("steps-dst", prompt, max_tokens=2))
     engine.run(["steps-dst"])
     engine.settle()
-    for h in hooks:
-        n = len(got_multi[h])
-        assert n > 0, f"the model runner never called MultiConnector.{h}"
-        per_child = [len(kid[h]) for kid in got_kids]
-        assert per_child == [n, n], f"{h}: MultiConnector got {n} calls, its children {per_child}"
+    assert_every_call_reached_every_child(got_multi, got_kids, hooks, "model runner")
     for i, kid in enumerate(got_kids):
         bound = [a[0] for a in kid["bind_connector_metadata"].args]
         expected = [a[0].metadata[i] for a in got_multi["bind_connector_metadata"].args]

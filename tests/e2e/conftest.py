@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from workload import CONTROL, CPU_BLOCKS, MAX_TOKENS, PD_DEVICE_BLOCKS, PROMPTS, REMOTE_DECODE, ROUND_TRIP_DEVICE_BLOCKS
+from workload import CONTROL, MAX_TOKENS, PROMPTS, REMOTE_DECODE, engine_specs
 
 from kvcompat.testkit import record_fact
 from kvcompat.testkit.e2e import engines, model
@@ -30,15 +30,7 @@ class Fleet:
     tests need together, so their starts overlap."""
 
     def __init__(self, model_dir) -> None:
-        # Stats logging stays LLM's default (off) unless asked for: see kvcompat.testkit.e2e.engine.build_llm.
-        plain = {"model": str(model_dir), "log_stats": os.environ.get(LOG_STATS_ENV) == "1"}
-        multi = {**plain, "connector": "multi", "cpu_blocks": CPU_BLOCKS}
-        self.specs = {
-            "reference": plain,
-            "round-trip": {**multi, "num_gpu_blocks": ROUND_TRIP_DEVICE_BLOCKS, "engine_id": "kvcompat-round-trip"},
-            "prefill": {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-prefill"},
-            "decode": {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-decode"},
-        }
+        self.specs = engine_specs(model_dir, log_stats=os.environ.get(LOG_STATS_ENV) == "1")
         self.started: dict[str, engines.EngineProcess] = {}
 
     def start(self, name: str) -> engines.EngineProcess:

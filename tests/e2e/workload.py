@@ -16,6 +16,21 @@ FILLERS = [model.prompt(100 + i, 150) for i in range(4)]
 ROUND_TRIP_DEVICE_BLOCKS = 20
 CPU_BLOCKS = 64
 PD_DEVICE_BLOCKS = 48
+
+
+def engine_specs(model_dir, *, log_stats: bool = False) -> dict[str, dict]:
+    """The suite's four engines by name (kvcompat.testkit.e2e.engine specs); the benchmark's floor builds
+    the same ones.  Stats logging stays LLM's default (off) unless asked for (see engine.build_llm)."""
+    plain = {"model": str(model_dir), "log_stats": log_stats}
+    multi = {**plain, "connector": "multi", "cpu_blocks": CPU_BLOCKS}
+    return {
+        "reference": plain,
+        "round-trip": {**multi, "num_gpu_blocks": ROUND_TRIP_DEVICE_BLOCKS, "engine_id": "kvcompat-round-trip"},
+        "prefill": {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-prefill"},
+        "decode": {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-decode"},
+    }
+
+
 # A negative control of our proxy step (tests/harness/test_e2e_control.py): "pd-wrong-blocks" hands
 # the decode the prefill's blocks in reverse order, a transfer of the wrong blocks.
 PROXY_FAULT_ENV = "KVCOMPAT_E2E_PROXY_FAULT"

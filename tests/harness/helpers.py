@@ -9,7 +9,9 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from kvcompat.cells import Cell
@@ -315,3 +317,27 @@ def http_index(folder: Path, wheels: list[Path]) -> None:
                 f'data-core-metadata="sha256={meta_sha}">{wheel.name}</a>\n'
             )
         (page / "index.html").write_text("".join(links))
+
+
+def default_cell_venv(which: Callable[[dict], bool]) -> Path:
+    """The venv of the first default-matrix entry ``which`` picks (its nixl-first cell), built with
+    ``nox -s matrix -k vllm_X -- --force`` (uv, from its cache) when it is missing."""
+    default = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["kvcompat"]["matrix"]["default"]
+    entry = next(e for e in default if which(e))
+    prefix = f"{entry.get('dist', 'vllm')}-{entry['vllm']}__"
+    tag = "vllm_" + entry["vllm"].replace(".", "_")
+    venvs = REPO / ".kvcompat" / "venvs"
+
+    def found() -> list[Path]:
+        return [
+            p
+            for p in sorted(venvs.glob(prefix + "*"))
+            if p.is_dir() and "offload-first" not in p.name and (p / "bin" / "python").exists()
+        ]
+
+    if not found():
+        proc = subprocess.run(
+            nox_command(REPO, "-s", "matrix", "-k", tag, "--", "--force"), capture_output=True, text=True, cwd=REPO
+        )
+        assert found(), f"could not build the {tag} cell: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+    return found()[0]

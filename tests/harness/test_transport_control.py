@@ -12,36 +12,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, nox_command
+from helpers import REPO, default_cell_venv
 
 pytestmark = pytest.mark.slow
 TESTS = "round_trip or decode_reads"  # what moves KV through the CPU tier, and a P/D read beside it
-
-
-def _newest_default_cell_venv() -> Path:
-    """The venv of the default matrix's newest release, built (with uv, from its cache) if missing."""
-    default = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["kvcompat"]["matrix"]["default"]
-    tag = "vllm_" + default[0]["vllm"].replace(".", "_")
-    venvs = REPO / ".kvcompat" / "venvs"
-
-    def found() -> list[Path]:
-        return [
-            p
-            for p in sorted(venvs.glob(f"vllm-{default[0]['vllm']}__*"))
-            if p.is_dir() and "offload-first" not in p.name and (p / "bin" / "python").exists()
-        ]
-
-    if not found():
-        proc = subprocess.run(
-            nox_command(REPO, "-s", "matrix", "-k", tag, "--", "--force"), capture_output=True, text=True, cwd=REPO
-        )
-        assert found(), f"could not build the {tag} cell: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-    return found()[0]
 
 
 def _suite(venv: Path, tmp_path: Path, fault: str | None) -> dict[str, str]:
@@ -78,7 +56,7 @@ def _suite(venv: Path, tmp_path: Path, fault: str | None) -> dict[str, str]:
 
 
 def test_a_broken_cuda_transport_turns_the_suite_red(tmp_path):
-    venv = _newest_default_cell_venv()
+    venv = default_cell_venv(lambda entry: True)  # the newest release: the first entry
     clean = _suite(venv, tmp_path, None)
     assert clean and set(clean.values()) == {"passed"}, f"the suite is not green with the stand-in as it is: {clean}"
     for fault in ("drop-loads", "wrong-blocks"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -125,7 +126,8 @@ def metrics(llm: Any) -> dict[str, float]:
             label = ",".join(
                 f"{k}={v}" for k, v in sorted(getattr(m, "labels", {}).items()) if k not in ("engine", "model_name")
             )
-            out[m.name + (f"{{{label}}}" if label else "")] = out.get(m.name, 0) + m.value
+            key = m.name + (f"{{{label}}}" if label else "")
+            out[key] = out.get(key, 0) + m.value
     return out
 
 
@@ -155,7 +157,16 @@ def main(argv: list[str]) -> int:
     from kvcompat.testkit import cuda_transport
 
     # Before vLLM starts any worker process: they inherit the folder and keep their tallies in it.
-    os.environ[cuda_transport.TALLY_ENV] = tempfile.mkdtemp(prefix="kvcompat-transport-")
+    tally = tempfile.mkdtemp(prefix="kvcompat-transport-")
+    os.environ[cuda_transport.TALLY_ENV] = tally
+    try:
+        return serve(spec)
+    finally:
+        shutil.rmtree(tally, ignore_errors=True)
+
+
+def serve(spec: dict) -> int:
+    """Build the engine, say so, then answer each request line until stdin closes."""
     t0 = time.monotonic()
     try:
         llm = build_llm(spec)
