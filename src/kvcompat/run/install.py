@@ -38,18 +38,47 @@ class Installed:
     integrity: dict = dataclasses.field(default_factory=dict)  # kvcompat.run.integrity, set when the check passed
 
 
-def check_disk(ctx: CellContext) -> None:
-    """Refuse to start a new cell when the disk cannot hold it (an installed one needs nothing more)."""
+def _free_gib(ctx: CellContext) -> float | None:
+    """Free GiB under the venvs, or None when the cell's venv is already installed (it needs nothing more)."""
     ctx.venv.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(ctx.venv.parent).free / 2**30
     # nox creates the (empty) venv before the session runs: only an installed vLLM means
     # the big downloads are already on disk.
-    populated = any(ctx.venv.glob("lib/python*/site-packages/vllm*.dist-info"))
-    if free < ctx.opts.min_free_gb and not populated:
-        raise DiskFullError(
-            f"only {free:.1f} GiB free under {ctx.venv.parent}; a new cell needs about {ctx.opts.min_free_gb:.0f} GiB: "
-            f"free space (e.g. `rm -rf .kvcompat/venvs/<old cell>`, or `uv cache prune`) and rerun"
-        )
+    if any(ctx.venv.glob("lib/python*/site-packages/vllm*.dist-info")):
+        return None
+    return shutil.disk_usage(ctx.venv.parent).free / 2**30
+
+
+def _refuse(ctx: CellContext, free: float, need: str) -> None:
+    raise DiskFullError(
+        f"only {free:.1f} GiB free under {ctx.venv.parent}; a new cell {need}: "
+        f"free space (e.g. `rm -rf .kvcompat/venvs/<old cell>`, or `uv cache prune`) and rerun"
+    )
+
+
+def check_floor(ctx: CellContext) -> None:
+    """``--min-free-gb``, when given: refuse a new cell below that much free disk, before it resolves."""
+    if ctx.opts.min_free_gb is None:
+        return
+    free = _free_gib(ctx)
+    if free is not None and free < ctx.opts.min_free_gb:
+        _refuse(ctx, free, f"needs about {ctx.opts.min_free_gb:.0f} GiB (--min-free-gb)")
+
+
+def check_disk(ctx: CellContext) -> None:
+    """Refuse a new cell the disk cannot hold, by its lock: what uv's cache lacks, unpacked (run.diskneed).
+
+    Printed either way, so a user sees what a cell will download before it does.
+    """
+    from kvcompat.run import cachebudget, diskneed
+
+    free = _free_gib(ctx)
+    if free is None or ctx.opts.min_free_gb is not None:  # installed, or the user's floor decided already
+        return
+    cached = {dist for dist, _ in cachebudget.unpacked_entries(cachebudget.uv_cache_dir())}
+    need = diskneed.estimate(ctx.files.lock.read_text(), cached, ctx.opts.index_url)
+    ctx.say(f"disk: {need.line()}; {free:.1f} GiB free")
+    if free < need.gib:
+        _refuse(ctx, free, need.line())
 
 
 def install_steps(ctx: CellContext) -> list[list]:
@@ -96,6 +125,7 @@ def freeze(ctx: CellContext) -> dict[str, str]:
 def phase(ctx: CellContext, resolved: Resolved) -> Installed | CellResult:
     """Create the venv if needed and sync it to the lock, each step retried once; install error otherwise."""
     with one_install_at_a_time(ctx):
+        check_disk(ctx)
         if ctx.opts.disk_budget_gb is not None:
             keep_disk_budget(ctx, resolved)
         with ctx.timed("install"):

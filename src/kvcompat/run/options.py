@@ -19,7 +19,7 @@ class RunOptions:
     import_timeout_s: float = 600.0
     force: bool = False  # ignore a cached result with the same key
     pytest_args: tuple[str, ...] = ()
-    min_free_gb: float = 15.0  # a fresh CUDA-torch cell can take ~10 GB if nothing is cached
+    min_free_gb: float | None = None  # an explicit floor; None: estimated from the lock (run.diskneed)
     disk_budget_gb: float | None = None  # uv's cache size kept before each install (run.cachebudget)
     work_dir: Path | None = None  # per-cell logs and locks; default .kvcompat/cells
     # An unchanged cell is confirmed by an offline resolution (0.3 s) only while its

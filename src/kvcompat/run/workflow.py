@@ -31,7 +31,7 @@ class _Begun:
 
 
 def begin(ctx: CellContext, _: None) -> _Begun | CellResult:
-    """Answer an unchanged cell from its result file; otherwise start the log and check the disk."""
+    """Answer an unchanged cell from its result file; otherwise start the log (and check --min-free-gb)."""
     found = check_result(ctx.files.result)
     if isinstance(found, UnreadableResult):  # never an answer: the cell runs and its result replaces the file
         ctx.say(f"{found.path} {found.reason}: running the cell")
@@ -40,7 +40,7 @@ def begin(ctx: CellContext, _: None) -> _Begun | CellResult:
         return record.reuse(ctx, cached)
     ctx.files.start_log(f"# kvcompat cell {ctx.cell.id} started {ctx.started}")
     reap_leftover(ctx.files, ctx.say)
-    install.check_disk(ctx)
+    install.check_floor(ctx)
     return _Begun(cached)
 
 
