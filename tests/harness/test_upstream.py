@@ -91,6 +91,37 @@ def sdist(tmp_path: Path) -> Path:
     return make_sdist(tmp_path / "dl")
 
 
+# The extraction rules, over a wider target list than the upstream column's two files: single
+# files, a folder of tests, helpers that are themselves test modules.
+WIDE_TARGETS = (
+    f"{UNIT}/test_nixl_simple_cpu_offload.py",
+    f"{UNIT}/test_multi_connector.py",
+    f"{UNIT}/test_nixl_connector.py",
+    f"{UNIT}/test_simple_cpu_offload_connector.py",
+    f"{UNIT}/test_offloading_connector.py",
+    f"{UNIT}/offloading_connector",
+)
+
+
+@pytest.fixture(autouse=True)
+def wide_targets(monkeypatch):
+    monkeypatch.setattr(upstream, "TARGETS", WIDE_TARGETS)
+
+
+def test_the_upstream_column_is_the_pairs_own_tests(monkeypatch):
+    monkeypatch.undo()
+    assert upstream.TARGETS == (f"{UNIT}/test_nixl_simple_cpu_offload.py", f"{UNIT}/test_multi_connector.py")
+
+
+def test_a_release_that_predates_every_target_is_an_empty_suite_not_an_error(tmp_path):
+    old = make_sdist(tmp_path / "dl", tree={"tests/__init__.py": "", "tests/test_x.py": ""})
+    root = upstream.fetch_tests("9.9.9", tmp_path / "cache", sdist=old)
+    info = upstream.manifest(root)
+    assert info["targets"] == [] and info["absent_targets"] == list(WIDE_TARGETS)
+    suite = upstream.prepare("9.9.9", tmp_path / "cache")
+    assert suite.targets == [] and suite.absent == list(WIDE_TARGETS)
+
+
 def test_extracts_the_targets_and_their_import_closure_only(tmp_path, sdist):
     root = upstream.fetch_tests("9.9.9", tmp_path / "cache", sdist=sdist)
     assert root == (tmp_path / "cache" / "9.9.9").resolve()
@@ -161,8 +192,10 @@ def test_a_stale_or_partial_tree_is_replaced(tmp_path, sdist):
 
 
 def test_a_failed_extraction_leaves_nothing_behind(tmp_path):
-    bad = make_sdist(tmp_path / "dl", tree={"tests/__init__.py": "", "tests/test_x.py": ""})
-    with pytest.raises(upstream.UpstreamError, match="none of the connector tests"):
+    bad = tmp_path / "dl" / "vllm-9.9.9.tar.gz"
+    bad.parent.mkdir()
+    bad.write_bytes(b"not a tarball")
+    with pytest.raises(tarfile.ReadError):
         upstream.fetch_tests("9.9.9", tmp_path / "cache", sdist=bad)
     assert list((tmp_path / "cache").iterdir()) == []
 

@@ -67,6 +67,33 @@ def test_outcomes_are_mapped(pytester):
     assert all(t["duration"] >= 0 for t in data["tests"])
 
 
+EMPTY_PARAMETRIZATION = """
+import pytest
+
+BACKENDS = []  # as vLLM builds it from what the platform supports: nothing on a CPU
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_backend(backend):
+    assert backend
+"""
+
+
+def test_an_empty_parametrization_is_not_applicable_in_upstream_and_an_error_in_ours(pytester):
+    pytester.makepyfile(test_suite=EMPTY_PARAMETRIZATION)
+    got = {}
+    for suite in ("upstream", "ours"):
+        out = pytester.path / f"{suite}.json"
+        pytester.runpytest_subprocess(
+            "-p", "kvcompat.testkit.pytest_plugin", f"--kvcompat-json={out}", f"--kvcompat-suite={suite}"
+        )
+        (test,) = json.loads(out.read_text())["tests"]
+        got[suite] = test
+    assert got["upstream"]["outcome"] == "not_applicable"
+    assert "no case for this platform" in got["upstream"]["message"]
+    assert "got empty parameter set" in got["upstream"]["message"]  # pytest's own words, with the argument
+    assert got["ours"]["outcome"] == "error"  # our suite never parametrizes over the platform: hiding is an error
+
+
 def test_collection_error_is_recorded(pytester):
     result, data = run(pytester, "import not_a_module_anywhere\n\ndef test_x():\n    pass\n")
     assert [t["outcome"] for t in data["tests"]] == ["error"]

@@ -41,6 +41,8 @@ class SuiteRun:
     cwd: Path
     args: list[str]
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Tests this release cannot have (the upstream files its sdist lacks): recorded, never run.
+    not_applicable: list[TestResult] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -93,8 +95,42 @@ def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
             platform="cpu",
             exclude_engine_tests=True,
         )
-        return SuiteRun(path=str(up.path), cwd=Path(up.rootdir), args=list(up.pytest_args), env=dict(up.env))
+        absent = [
+            TestResult(
+                nodeid=rel,
+                outcome=TestOutcome.NOT_APPLICABLE,
+                duration=0.0,
+                message=f"vllm {ctx.cell.vllm}'s sdist has no {rel.rsplit('/', 1)[-1]}: the release predates it",
+                suite="upstream",
+            )
+            for rel in up.absent
+        ]
+        return SuiteRun(
+            path=str(up.path) if up.targets else "",
+            cwd=Path(up.rootdir),
+            args=list(up.pytest_args),
+            env=dict(up.env),
+            not_applicable=absent,
+        )
     raise ValueError(f"unknown suite {suite!r}")
+
+
+def run_suite(ctx: CellContext, suite: str) -> SuiteVerdict:
+    """One suite in this cell: its pytest run, plus the tests the release cannot have (not applicable)."""
+    try:
+        run = suite_run(ctx, suite)
+    except Exception as exc:  # e.g. the sdist cannot be fetched: that suite errors, visibly
+        return SuiteVerdict(Outcome.TEST_ERROR, f"could not prepare the {suite} suite: {exc}", [])
+    if not run.path:  # every file of the suite is newer than this release: nothing can run, nothing is red
+        names = ", ".join(t.nodeid.rsplit("/", 1)[-1] for t in run.not_applicable)
+        return SuiteVerdict(
+            Outcome.NOT_APPLICABLE, f"vllm {ctx.cell.vllm} predates {names} (not in its sdist)", run.not_applicable
+        )
+    verdict = run_pytest(ctx, suite, run)
+    if run.not_applicable:
+        verdict.tests += run.not_applicable
+        verdict.detail += "; not applicable here: " + ", ".join(t.message or "" for t in run.not_applicable)
+    return verdict
 
 
 def run_pytest(ctx: CellContext, suite: str, run: SuiteRun) -> SuiteVerdict:
@@ -170,12 +206,7 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
     for suite in ctx.cell.suites:
         name = "test" if suite == "ours" else f"test:{suite}"
         with ctx.timed(name):
-            try:
-                run = suite_run(ctx, suite)
-            except Exception as exc:  # e.g. the sdist cannot be fetched: that suite errors, visibly
-                verdict = SuiteVerdict(Outcome.TEST_ERROR, f"could not prepare the {suite} suite: {exc}", [])
-            else:
-                verdict = run_pytest(ctx, suite, run)
+            verdict = run_suite(ctx, suite)
         tests += verdict.tests
         python = python or verdict.python
         info[suite] = {"outcome": verdict.outcome.value, "detail": verdict.detail, "seconds": ctx.phases[name]}
