@@ -4,6 +4,7 @@ Sessions:
   matrix   one session per cell: install with uv, run tests/connectors, write results/<cell>.json
   report   merge results/ into reports/compat.{json,md,xml,html} and print the table
   bisect   first vLLM release where a test breaks (--find-fix: where it is fixed)
+  qualify  a candidate vLLM (wheel or source checkout) against its base release; fails on a regression
   mutants  mutation testing of the suite: mutants of multi_connector.py per cell, killed or survived
   ci       write a GitHub Actions / Buildkite pipeline with one job per cell
   tests    the harness's own tests (no vLLM needed)
@@ -110,6 +111,18 @@ def bisect(session: nox.Session) -> None:
     with one_line_errors():
         values, _ = options.parse("bisect", session.posargs)
         sessions.bisect(ROOT, values, say=session.log)
+
+
+@nox.session(python=False)
+def qualify(session: nox.Session) -> None:
+    """A candidate vLLM against its base release: nox -s qualify -- CANDIDATE [--against RELEASE]."""
+    with one_line_errors():
+        values, rest = options.parse("qualify", session.posargs, extra_ok=True)
+        values.candidate = options.one_positional(rest, "CANDIDATE", "qualify", "a vllm-*.whl or a vLLM checkout")
+        code, text = sessions.qualify(ROOT, values, say=session.log)
+    print(text, end="")
+    if code:
+        session.error("the candidate regressed against its base release (see above)")
 
 
 @nox.session(python=False)

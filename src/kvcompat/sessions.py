@@ -312,3 +312,59 @@ def connector_tree(root: Path, cell: Cell, index_url: str) -> Path:
                 zf.extract(name, tmp)
     tmp.rename(dest)
     return dest
+
+
+def qualify(root: Path, values: Namespace, say: Callable[[str], None] = print) -> tuple[int, str]:
+    """Run a candidate vLLM and the release it descends from side by side; (exit status, Markdown).
+
+    Exit status 1 when a contract regressed (or the candidate ran no tests where its base did), else 0.
+    The Markdown is also written to reports/qualify-<candidate>.md.
+    """
+    import dataclasses
+
+    from kvcompat import qualify as q
+    from kvcompat import upstream
+    from kvcompat.atomic import write_atomic
+
+    def releases() -> list[Version]:
+        return index.list_versions("vllm", cache_root=root, index_url=values.index_url)
+
+    work = root / ".kvcompat" / "candidates"
+    candidate, base = q.candidate_from(
+        Path(values.candidate),
+        against=values.against,
+        base_wheel=lambda v: index.download_wheel("vllm", v, root / ".kvcompat" / "wheels", values.index_url),
+        base_sdist=lambda v: upstream.download_sdist_cached(v, root / ".kvcompat" / "sdists", values.index_url),
+        releases=releases,
+        work=work,
+    )
+    if Version(base) not in releases():
+        raise q.QualifyError(f"--against {base}: vllm {base} is not on the index; name a published release")
+    overrides, table = q.base_overrides(root / "pyproject.toml", base)
+    say(
+        f"qualifying {candidate.source} ({candidate.origin}, vllm {candidate.version}) against vllm {base}"
+        + (f"; the base's overrides from the {table!r} matrix: {' '.join(overrides)}" if overrides else "")
+    )
+    base_cell, cand_cell = (
+        resolve_cells(
+            [entry],
+            constraints_dir=root / "constraints",
+            cache_root=root,
+            index_url=values.index_url,
+            find_links=values.find_links,
+        )[0]
+        for entry in (Entry(vllm=Version(base), overrides=overrides), Entry(vllm=candidate.wheel, overrides=overrides))
+    )
+    opts = run_options(root, values, [])
+    base_result = run_cell(base_cell, cell_venv(root, base_cell), opts, progress=lambda s: say("  base: " + s))
+    cand_opts = dataclasses.replace(opts, results_dir=root / "results" / "qualify")
+    cand_result = run_cell(
+        cand_cell, cell_venv(root, cand_cell), cand_opts, progress=lambda s: say("  candidate: " + s)
+    )
+    cmp = q.compare(base_result, cand_result)
+    text = q.render_markdown(cmp, candidate, base)
+    out = root / "reports" / f"qualify-{cand_cell.id}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, text)
+    say(f"wrote {out.relative_to(root)}")
+    return (0 if cmp.ok else 1), text

@@ -1,0 +1,388 @@
+"""Release qualification: a candidate vLLM (a wheel, or a source checkout) against the release it descends from.
+
+    kvcompat qualify dist/vllm-0.34.1.dev1-cp38-abi3-manylinux_2_28_x86_64.whl
+    kvcompat qualify ~/src/vllm --against 0.34.0
+
+The steps, each a plain function taking the previous one's result:
+
+1. :func:`candidate_from` — a wheel is used as built; a source checkout's Python files are laid over
+   the base release's wheel (:func:`overlay_wheel`), since the connector code is pure Python.  A
+   checkout whose compiled sources (``csrc/``, ``rust/``, CMake, ``setup.py``, C/C++/CUDA/Rust files) differ from the base's sdist
+   is refused in one line naming them: its extensions would need a build.
+2. :func:`base_release` — the newest final release on the index at or below the candidate's version
+   (``0.34.1.dev1`` and ``0.34.0+src.…`` both descend from 0.34.0), unless ``--against`` names one;
+   :func:`base_overrides` takes the base's matrix entry's ``overrides`` (0.34.x needs flashinfer's).
+3. Both run as matrix cells (same venvs, same result cache: an unchanged base is answered from
+   ``results/``); the candidate's result goes to ``results/qualify/``, out of the matrix's report.
+4. :func:`compare` — per contract (test): regressed, fixed, unchanged; :func:`render_markdown` writes
+   what a PR comment needs.  Exit status 1 when anything regressed.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import dataclasses
+import hashlib
+import io
+import re
+import tarfile
+import tomllib
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
+
+from kvcompat.errors import KvcompatError
+from kvcompat.outcomes import TestOutcome
+from kvcompat.results import CellResult, TestResult
+
+# What a checkout must not change for its Python files to be laid over the base wheel: what
+# vLLM's build compiles.  Anything else (tests, docs, Python) may differ.
+COMPILED_SUFFIXES = (".cu", ".cuh", ".cpp", ".cc", ".c", ".h", ".hpp", ".cmake", ".rs")
+COMPILED_FOLDERS = ("csrc/", "cmake/", "rust/")
+COMPILED_FILES = ("CMakeLists.txt", "setup.py", "rust-toolchain.toml")
+
+
+class QualifyError(KvcompatError):
+    """A candidate that cannot be qualified as given; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """What runs as the candidate cell: a wheel, and where it came from."""
+
+    wheel: Path
+    version: str
+    origin: str  # "wheel" or "source checkout"
+    source: Path  # what the user passed
+    changed: tuple[str, ...] = ()  # a checkout's Python files that differ from the base wheel's
+
+
+# -- 1. the candidate ------------------------------------------------------------------------
+
+
+def wheel_version(path: Path) -> str:
+    """The version of a vLLM wheel from its file name; bad input is one line."""
+    try:
+        name, version, _, _ = parse_wheel_filename(path.name)
+    except Exception:  # packaging raises two kinds; either way the name is not a wheel's
+        raise QualifyError(
+            f"{path.name} is not a wheel file name (name-version-python-abi-platform.whl); pass the wheel as built"
+        ) from None
+    if canonicalize_name(name) != "vllm":
+        raise QualifyError(f"{path.name} is a wheel of {name}, not of vllm; pass a vllm wheel or a vLLM checkout")
+    return str(version)
+
+
+def checkout_version(folder: Path) -> str | None:
+    """The version a source checkout says it is: an sdist's PKG-INFO, or a built tree's vllm/_version.py."""
+    pkg_info = folder / "PKG-INFO"
+    if pkg_info.is_file():
+        m = re.search(r"^Version:\s*(\S+)", pkg_info.read_text(errors="replace"), re.M)
+        if m:
+            return m.group(1)
+    version_py = folder / "vllm" / "_version.py"
+    if version_py.is_file():
+        m = re.search(
+            r"""^(?:__version__|version)\s*(?::\s*str\s*)?=\s*['"]([^'"]+)['"]""", version_py.read_text(), re.M
+        )
+        if m:
+            return m.group(1)
+    return None
+
+
+def is_compiled_source(rel: str) -> bool:
+    return rel in COMPILED_FILES or rel.startswith(COMPILED_FOLDERS) or rel.endswith(COMPILED_SUFFIXES)
+
+
+def compiled_sources_of_checkout(folder: Path) -> dict[str, bytes]:
+    out = {}
+    for path in folder.rglob("*"):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and not rel.startswith((".git/", "build/", "tests/")) and is_compiled_source(rel):
+            out[rel] = path.read_bytes()
+    return out
+
+
+def compiled_sources_of_sdist(sdist: Path) -> dict[str, bytes]:
+    out = {}
+    with tarfile.open(sdist, "r:*") as tar:
+        for member in tar:
+            parts = member.name.split("/", 1)
+            if (
+                len(parts) == 2
+                and member.isfile()
+                and not parts[1].startswith("tests/")
+                and is_compiled_source(parts[1])
+            ):
+                out[parts[1]] = tar.extractfile(member).read()  # type: ignore[union-attr]
+    return out
+
+
+def compiled_differences(checkout: dict[str, bytes], base: dict[str, bytes]) -> list[str]:
+    """The compiled sources a checkout changed, added or removed relative to the base's sdist."""
+    return sorted(rel for rel in checkout.keys() | base.keys() if checkout.get(rel) != base.get(rel))
+
+
+def python_changes(folder: Path, base_wheel: Path) -> dict[str, bytes]:
+    """The checkout's ``vllm/**.py`` files whose bytes differ from the base wheel's (new files included).
+
+    Files only the wheel has (``vllm/_version.py``, generated at build time) are kept as built.
+    """
+    with zipfile.ZipFile(base_wheel) as zf:
+        shipped = {n for n in zf.namelist() if n.startswith("vllm/") and n.endswith(".py")}
+        changes = {}
+        for path in sorted((folder / "vllm").rglob("*.py")):
+            rel = path.relative_to(folder).as_posix()
+            if "__pycache__" in rel:
+                continue
+            data = path.read_bytes()
+            if rel not in shipped or zf.read(rel) != data:
+                changes[rel] = data
+    return changes
+
+
+def overlay_wheel(base_wheel: Path, replacements: dict[str, bytes], version: str, out_dir: Path) -> Path:
+    """A copy of ``base_wheel`` with ``replacements`` laid over it, renamed to ``version``.
+
+    The dist-info folder, METADATA's Version and RECORD (every hash) are rewritten, so uv installs
+    it like any wheel.  Written beside its final name and renamed: a half-written wheel never exists.
+    """
+    name, _, _, _ = parse_wheel_filename(base_wheel.name)
+    tags = base_wheel.name.split("-", 2)[2]  # python-abi-platform.whl, unchanged
+    dest = out_dir / f"{name}-{version}-{tags}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".part")
+    record_rows: list[tuple[str, str, str]] = []
+    with zipfile.ZipFile(base_wheel) as zin, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zout:
+        old_info = next(n.split("/")[0] for n in zin.namelist() if n.split("/")[0].endswith(".dist-info"))
+        new_info = f"{name}-{version}.dist-info"
+        record_name = f"{new_info}/RECORD"
+        for info in zin.infolist():
+            rel = info.filename
+            if rel.endswith("/") or rel == f"{old_info}/RECORD":
+                continue
+            data = replacements.get(rel)
+            if data is None:
+                data = zin.read(info)
+            if rel.startswith(old_info + "/"):
+                rel = new_info + rel[len(old_info) :]
+                if rel == f"{new_info}/METADATA":
+                    data = re.sub(rb"^Version: .*$", f"Version: {version}".encode(), data, count=1, flags=re.M)
+            _write(zout, rel, data, info.external_attr)
+            record_rows.append(_record_row(rel, data))
+        for rel in sorted(set(replacements) - set(zin.namelist())):  # files the checkout adds
+            _write(zout, rel, replacements[rel], 0o644 << 16)
+            record_rows.append(_record_row(rel, replacements[rel]))
+        record_rows.append((record_name, "", ""))
+        text = io.StringIO()
+        csv.writer(text, lineterminator="\n").writerows(record_rows)  # quotes the names with commas
+        _write(zout, record_name, text.getvalue().encode(), 0o644 << 16)
+    tmp.rename(dest)
+    return dest
+
+
+def _write(zout: zipfile.ZipFile, rel: str, data: bytes, external_attr: int) -> None:
+    info = zipfile.ZipInfo(rel, date_time=(2020, 1, 1, 0, 0, 0))
+    info.external_attr = external_attr
+    info.compress_type = zipfile.ZIP_DEFLATED
+    zout.writestr(info, data, compresslevel=1)
+
+
+def _record_row(rel: str, data: bytes) -> tuple[str, str, str]:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return rel, f"sha256={digest}", str(len(data))
+
+
+def candidate_from(
+    path: Path,
+    *,
+    against: str | None,
+    base_wheel: Callable[[str], Path],
+    base_sdist: Callable[[str], Path],
+    releases: Callable[[], list[Version]],
+    work: Path,
+) -> tuple[Candidate, str]:
+    """The candidate and its base release.  ``base_wheel``/``base_sdist`` fetch a release's files (cached)."""
+    if path.is_file() and path.suffix == ".whl":
+        version = wheel_version(path)
+        return Candidate(path.resolve(), version, "wheel", path), against or base_release(version, releases())
+    if path.is_dir():
+        if not (path / "vllm" / "__init__.py").is_file():
+            raise QualifyError(
+                f"{path} is not a vLLM source checkout (no vllm/__init__.py); pass a checkout or a wheel"
+            )
+        version = checkout_version(path)
+        if against is None and version is None:
+            raise QualifyError(
+                f"{path} says no version (no PKG-INFO, no vllm/_version.py); name its base with --against X.Y.Z"
+            )
+        base = against or base_release(version, releases())  # type: ignore[arg-type]
+        differ = compiled_differences(compiled_sources_of_checkout(path), compiled_sources_of_sdist(base_sdist(base)))
+        if differ:
+            shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+            raise QualifyError(
+                f"{path}'s compiled sources differ from vllm {base}'s ({shown}): only Python files can be laid over "
+                f"the {base} wheel; build a wheel of the checkout and pass that"
+            )
+        wheel = base_wheel(base)
+        changes = python_changes(path, wheel)
+        digest = hashlib.sha256(b"".join(k.encode() + b"\0" + v for k, v in sorted(changes.items()))).hexdigest()[:10]
+        local = f"{base}+src.{digest}"
+        built = work / f"vllm-{local}-{wheel.name.split('-', 2)[2]}"
+        if not built.is_file():
+            built = overlay_wheel(wheel, changes, local, work)
+        return Candidate(built, local, "source checkout", path, tuple(sorted(changes))), base
+    raise QualifyError(f"{path} is neither a .whl file nor a folder; pass a vllm wheel or a vLLM source checkout")
+
+
+# -- 2. the base -------------------------------------------------------------------------------
+
+
+def base_release(version: str, releases: list[Version]) -> str:
+    """The newest final release at or below ``version``: what a dev, rc, post or local build descends from."""
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        raise QualifyError(
+            f"the candidate's version {version!r} is not a version; name its base with --against"
+        ) from None
+    older = [r for r in releases if not r.is_prerelease and r <= v]
+    if not older:
+        raise QualifyError(f"no vllm release on the index is at or below {version}; name its base with --against X.Y.Z")
+    return str(max(older))
+
+
+def base_overrides(pyproject: Path, base: str) -> tuple[tuple[str, ...], str | None]:
+    """The ``overrides`` of the base release's entry in the project's matrices (the default table first),
+    and which table it came from; ``((), None)`` when no table names the release."""
+    tables = tomllib.loads(pyproject.read_text()).get("tool", {}).get("kvcompat", {}).get("matrix", {})
+    for name in ["default", *sorted(set(tables) - {"default"})]:
+        for item in tables.get(name, []):
+            item = {"vllm": item} if isinstance(item, str) else item
+            if item.get("dist", "vllm") == "vllm" and _same_release(item.get("vllm"), base):
+                return tuple(item.get("overrides", ())), name
+    return (), None
+
+
+def _same_release(spec: object, base: str) -> bool:
+    try:
+        return isinstance(spec, str) and Version(spec.removeprefix("==")) == Version(base)
+    except InvalidVersion:
+        return False
+
+
+# -- 4. the verdict ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One contract (test) in base and candidate."""
+
+    nodeid: str
+    base: str  # the outcome's value, or "absent"
+    candidate: str
+    message: str | None = None  # the candidate's failure, or the base's for a fix
+
+    @property
+    def name(self) -> str:
+        return self.nodeid.split("::")[-1]
+
+
+@dataclasses.dataclass
+class Comparison:
+    base: CellResult
+    candidate: CellResult
+    regressed: list[Change]
+    fixed: list[Change]
+    unchanged: list[Change]
+    # The candidate ran no tests where the base did (install, import or test error): the cell-level reason.
+    did_not_run: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.regressed and self.did_not_run is None
+
+
+def _green(t: TestResult | None) -> bool:
+    return t is not None and t.outcome in (TestOutcome.PASSED, TestOutcome.NOT_APPLICABLE)
+
+
+def _label(t: TestResult | None) -> str:
+    if t is None:
+        return "absent"
+    return t.outcome.value + (f" (blocked by {t.blocked_by.split('::')[-1]})" if t.blocked_by else "")
+
+
+def compare(base: CellResult, candidate: CellResult) -> Comparison:
+    """Per test of our suite: green in the base and red (or gone) in the candidate is a regression."""
+    b = {t.nodeid: t for t in base.tests}
+    c = {t.nodeid: t for t in candidate.tests}
+    regressed, fixed, unchanged = [], [], []
+    for nodeid in sorted(b.keys() | c.keys()):
+        bt, ct = b.get(nodeid), c.get(nodeid)
+        change = Change(nodeid, _label(bt), _label(ct))
+        if _green(bt) and not _green(ct):
+            regressed.append(
+                dataclasses.replace(change, message=ct.message if ct else "the candidate has no such test")
+            )
+        elif not _green(bt) and _green(ct) and bt is not None:
+            fixed.append(dataclasses.replace(change, message=bt.message))
+        else:
+            unchanged.append(change)
+    did_not_run = None
+    if not candidate.tests and base.tests:
+        did_not_run = f"{candidate.outcome.label}: {candidate.detail}"
+    return Comparison(base, candidate, regressed, fixed, unchanged, did_not_run)
+
+
+def _first_lines(text: str | None, n: int = 6) -> str:
+    lines = (text or "").strip().splitlines()
+    return "\n".join(lines[:n]) + ("\n…" if len(lines) > n else "")
+
+
+def render_markdown(cmp: Comparison, cand: Candidate, base: str) -> str:
+    """The verdict as a PR comment: headline, the two cells, regressions with their messages, fixes."""
+    what = f"`{cand.source.name}` ({cand.origin}, vllm {cand.version})"
+    if cmp.did_not_run:
+        head = f"**REGRESSION**: the candidate ran no tests ({cmp.did_not_run})"
+    elif cmp.regressed:
+        head = f"**REGRESSION**: {len(cmp.regressed)} contract{'s' if len(cmp.regressed) != 1 else ''} regressed"
+    else:
+        head = "**No regression**"
+    head += f" · {len(cmp.fixed)} fixed · {len(cmp.unchanged)} unchanged"
+    lines = [
+        f"## kvcompat qualify: {what} against vllm {base}",
+        "",
+        head,
+        "",
+        "| | vllm | torch | verdict |",
+        "|---|---|---|---|",
+    ]
+    for label, r in (("base", cmp.base), ("candidate", cmp.candidate)):
+        torch = r.versions.get("torch", r.cell["torch"])
+        lines.append(f"| {label} | {r.cell['vllm']} | {torch} | {r.outcome.label}: {r.detail} |")
+    if cand.changed:
+        shown = ", ".join(f"`{c}`" for c in cand.changed[:10]) + (" …" if len(cand.changed) > 10 else "")
+        lines += ["", f"Python files laid over the {base} wheel: {shown}"]
+    if cmp.regressed:
+        lines += ["", "### Regressed", ""]
+        for ch in cmp.regressed:
+            lines += [
+                f"- `{ch.name}`: {ch.base} → **{ch.candidate}**",
+                "",
+                "  ```",
+                *["  " + ln for ln in _first_lines(ch.message).splitlines()],
+                "  ```",
+            ]
+    if cmp.fixed:
+        lines += ["", "### Fixed", ""]
+        lines += [f"- `{ch.name}`: {ch.base} → **{ch.candidate}**" for ch in cmp.fixed]
+    if cmp.unchanged:
+        lines += ["", f"<details><summary>{len(cmp.unchanged)} unchanged</summary>", ""]
+        lines += [f"- `{ch.name}`: {ch.candidate}" for ch in cmp.unchanged]
+        lines += ["", "</details>"]
+    return "\n".join(lines) + "\n"
