@@ -451,3 +451,36 @@ def test_mutants_are_scored_only_in_cells_that_run_the_connector_suite():
     assert mutation.select_cells([ours, e2e], "vllm_0_32_0") == [ours]
     with pytest.raises(mutation.MutationError, match="no cell of this matrix runs the connector suite"):
         mutation.select_cells([e2e], None)
+
+
+def test_head_to_head_counts_each_suites_kills_and_names_what_only_one_kills():
+    from kvcompat.report import mutants as report
+
+    def m(i, ours, up):
+        return {
+            "id": i,
+            "contract": f"c-{i}",
+            "status": ours,
+            "how": "test",
+            "killed_by": f"t::ours_{i}",
+            "upstream": None if up is None else {"status": up, "killed_by": f"u::up_{i}"},
+        }
+
+    run = {
+        "id": "vllm-9.9.9",
+        "mutants": [
+            m("a", "killed", "killed"),
+            m("b", "killed", "survived"),
+            m("c", "survived", "killed"),
+            m("d", "survived", "survived"),
+            m("e", "killed", None),  # not scored by upstream (yet): left out of the comparison
+            {"id": "f", "contract": "", "status": "equivalent"},
+        ],
+    }
+    h = report.head_to_head(run)
+    assert (h["scored"], h["ours"], h["upstream"], h["both"], h["neither"], h["planned"]) == (4, 2, 2, 1, 1, 5)
+    assert [x["id"] for x in h["only_ours"]] == ["b"] and [x["id"] for x in h["only_upstream"]] == ["c"]
+    text = "\n".join(report.render_head_to_head([run]))
+    assert "| vllm-9.9.9 | 4 (of 5) | 2 | 2 | 1 | 1 | 1 | 1 |" in text
+    assert "- `c` (c-c): by up_c" in text
+    assert report.head_to_head({"id": "x", "mutants": [m("a", "killed", None)]}) is None

@@ -10,6 +10,11 @@ applied (pytest runs with -x, so the first such test is the killer), when the su
 crashes, or when the run exceeds the per-mutant timeout.  It *survived* when every
 test still passes.  It is *not applicable* when its target code is absent from this
 release's file, and *equivalent* when the catalogue says why no test can tell it apart.
+
+In a cell that runs the upstream column (vLLM's own tests of the pair, ``suites = [..., "upstream"]``),
+every mutant ours saw (neither equivalent nor absent) is scored a second time against those tests, the
+same way: ``MutantVerdict.upstream`` holds that verdict, so the report can say, per release, how many
+mutants each suite kills and which only one of them kills.
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ class MutationOptions:
     pytest_args: tuple[str, ...] = ()  # e.g. --deselect of a test that fails on the baseline; in every run
     # tests/mutants/equivalent.toml: why generated mutants are equivalent (per release), and methods with no site
     reasons: Path | None = None
+    # Score the upstream column only, keeping our suite's verdicts from the previous scored run (ours takes
+    # ~11 s a mutant, upstream ~50 s: the two need not be paid together).
+    upstream_only: bool = False
 
     MIN_TIMEOUT_S = 120.0
 
@@ -85,6 +93,9 @@ class MutantVerdict:
     seconds: float = 0.0
     reason: str | None = None  # equivalent: why
     origin: str = "catalogue"  # or "generated" (kvcompat.mutation.generate)
+    # The upstream column's verdict on the same mutant: {"status", "killed_by", "how", "detail", "seconds"};
+    # None where the cell has no upstream column or the mutant was not run (equivalent, absent).
+    upstream: dict | None = None
 
 
 @dataclasses.dataclass
@@ -94,6 +105,7 @@ class MutationRun:
     target: str
     started: str
     baseline: dict = dataclasses.field(default_factory=dict)
+    upstream_baseline: dict = dataclasses.field(default_factory=dict)  # {} where the cell has no upstream column
     mutants: list[MutantVerdict] = dataclasses.field(default_factory=list)
     scored: bool = False
     finished: str | None = None
@@ -133,6 +145,7 @@ class MutationRun:
             "finished": self.finished,
             "scored": self.scored,
             "baseline": self.baseline,
+            "upstream_baseline": self.upstream_baseline,
             "planned": self.planned,
             "pytest_args": self.pytest_args,
             "counts": self.counts(),
@@ -240,9 +253,20 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> Mu
         out = results_path(mo.results_dir, cell.id)
         # --mutant ID reruns those mutants only: the previous full run's other verdicts are kept, so a
         # rerun of a few (a new test, a new equivalence reason) never loses the rest of the score.
-        kept = _kept_verdicts(out, run, mo.only)
+        kept = _kept_verdicts(out, run, mo.only or (("*",) if mo.upstream_only else ()))
+        ours_before = {v.id: v for v in kept} if mo.upstream_only else {}
+        if mo.upstream_only:
+            prev = read_run(out) or {}
+            if not ours_before or "upstream" not in cell.suites:
+                raise MutationError(
+                    f"--upstream-only keeps our suite's verdicts of a previous scored run of {cell.id} with the "
+                    "upstream column; run `nox -s mutants` on that cell without --upstream-only first"
+                )
+            kept = [v for v in kept if v.id not in {m.id for m, _ in plan}]
+            run.baseline, run.scored = prev["baseline"], True
         run.planned += len(kept)
-        _baseline(ctx, run)
+        if not mo.upstream_only:
+            _baseline(ctx, run)
         write_atomic(out, json.dumps(run.to_json(), indent=1))
         if not run.scored:
             ctx.say(f"baseline is {run.baseline['outcome']}: {run.baseline['detail']}; mutants not scored")
@@ -253,13 +277,16 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> Mu
         ctx = _context(cell, mo, progress, timeout_s=timeout)
         passed = set(run.baseline["passed"])
         killers = Killers(ctx.files.work / "killers.txt")
+        upstream = _upstream_scorer(cell, mo, progress, run)
         decided: dict[str, MutantVerdict] = {}
         for n, (mutant, mutated) in enumerate(plan, 1):
             twin = decided.get(getattr(mutant, "same_as", None) or "")
             if twin is not None:
                 verdict = _same_as(mutant, twin)
             else:
-                verdict = _score(ctx, guard, mutant, mutated, passed, killers)
+                verdict = ours_before.get(mutant.id) or _score(ctx, guard, mutant, mutated, passed, killers)
+                if upstream is not None and verdict.status in (KILLED, SURVIVED):
+                    verdict.upstream = upstream(guard, mutant, mutated)
             decided[mutant.id] = verdict
             run.mutants = _merge(kept, list(decided.values()))
             ctx.say(f"mutant {n}/{len(plan)} {mutant.id}: {_say(verdict)}")
@@ -320,6 +347,40 @@ def _suite_run(ctx: CellContext, *extra: str) -> suites.SuiteRun:
         args=["-m", suites.suite_marker(ctx.cell), *extra],
         env=suites.suite_env(ctx.cell),
     )
+
+
+def _upstream_scorer(
+    cell: Cell, mo: MutationOptions, progress: Callable[[str], None], run: MutationRun
+) -> Callable[[Guard, object, str], dict] | None:
+    """Score mutants against the upstream column too, when the cell has one and it is green on the baseline."""
+    if "upstream" not in cell.suites:
+        return None
+    ctx = _context(cell, mo, progress, timeout_s=3600.0)
+    t0 = time.monotonic()
+    with ctx.timed("upstream baseline"):
+        verdict = suites.run_suite(ctx, "upstream")
+    passed = {t.nodeid for t in verdict.tests if t.outcome.value == "passed"}
+    run.upstream_baseline = {
+        "outcome": verdict.outcome.value,
+        "detail": verdict.detail,
+        "seconds": round(time.monotonic() - t0, 2),
+        "passed": sorted(passed),
+        "tests": len(verdict.tests),
+    }
+    if verdict.outcome is not Outcome.PASS:
+        ctx.say(f"upstream baseline is {verdict.outcome.value}: {verdict.detail}; mutants scored by ours only")
+        return None
+    timeout = mo.timeout_s or max(MutationOptions.MIN_TIMEOUT_S, 5 * run.upstream_baseline["seconds"])
+    ctx = _context(cell, mo, progress, timeout_s=timeout)
+    killers = Killers(ctx.files.work / "killers-upstream.txt")
+    prepared = suites.suite_run(ctx, "upstream")
+
+    def score(guard: Guard, mutant, mutated: str) -> dict:
+        run_ = dataclasses.replace(prepared, args=[*prepared.args, "-x", f"--kvcompat-first={killers.path}"])
+        v = _judge(ctx, guard, mutant, mutated, passed, killers, "upstream", run_)
+        return {k: getattr(v, k) for k in ("status", "killed_by", "how", "detail", "seconds")}
+
+    return score
 
 
 def _baseline(ctx: CellContext, run: MutationRun) -> None:
@@ -388,10 +449,26 @@ def _score(
         return MutantVerdict(**base, status=NOT_APPLICABLE, detail=f"target code absent in {cell_label(ctx.cell)}")
     if mutant.equivalent:
         return MutantVerdict(**base, status=EQUIVALENT, reason=mutant.equivalent)
+    run = _suite_run(ctx, "-x", f"--kvcompat-first={killers.path}")
+    return _judge(ctx, guard, mutant, mutated, passed, killers, "ours", run)
+
+
+def _judge(
+    ctx: CellContext,
+    guard: Guard,
+    mutant,
+    mutated: str,
+    passed: set[str],
+    killers: Killers,
+    suite: str,
+    run: suites.SuiteRun,
+) -> MutantVerdict:
+    """Run ``suite`` with the mutant applied: killed (by a test green on the baseline, a timeout, a crash) or survived."""
+    base = {"id": mutant.id, "contract": mutant.contract, "description": mutant.description, "origin": _origin(mutant)}
     t0 = time.monotonic()
     guard.apply(mutant.id, mutated)
     try:
-        verdict = suites.run_pytest(ctx, "ours", _suite_run(ctx, "-x", f"--kvcompat-first={killers.path}"))
+        verdict = suites.run_pytest(ctx, suite, run)
     finally:
         guard.restore()
     seconds = round(time.monotonic() - t0, 2)
@@ -421,6 +498,19 @@ def _score(
 
 
 def _say(v: MutantVerdict) -> str:
+    ours = _say_ours(v)
+    if v.upstream is None:
+        return ours
+    up = v.upstream
+    theirs = (
+        f"killed by {(up.get('killed_by') or '').split('::')[-1] if up.get('how') == 'test' else up.get('how')}"
+        if up["status"] == KILLED
+        else "SURVIVED"
+    )
+    return f"{ours}; upstream: {theirs} in {up.get('seconds', 0):.1f}s"
+
+
+def _say_ours(v: MutantVerdict) -> str:
     if v.status == KILLED:
         who = v.killed_by.split("::")[-1] if v.how == "test" else v.how
         return f"killed by {who} in {v.seconds:.1f}s"
@@ -486,6 +576,7 @@ def options_for(root: Path, values, pytest_args: list[str] = ()) -> MutationOpti
         index_url=values.index_url,
         find_links=tuple(values.find_links),
         pytest_args=tuple(pytest_args),
+        upstream_only=bool(values.upstream_only),
     )
 
 

@@ -59,6 +59,65 @@ def _killer(m: dict) -> str:
     return m["killed_by"].split("::")[-1] if m.get("how") == "test" else (m.get("how") or "")
 
 
+def head_to_head(run: dict) -> dict | None:
+    """Ours against the upstream column on the mutants both scored: counts and the mutants only one kills.
+
+    None when the run has no upstream verdicts (the cell has no upstream column).
+    """
+    both_scored = [m for m in run.get("mutants", []) if m.get("upstream") and m["status"] in ("killed", "survived")]
+    if not both_scored:
+        return None
+    ours = {m["id"] for m in both_scored if m["status"] == "killed"}
+    theirs = {m["id"] for m in both_scored if m["upstream"]["status"] == "killed"}
+    by_id = {m["id"]: m for m in both_scored}
+    return {
+        "scored": len(both_scored),
+        "ours": len(ours),
+        "upstream": len(theirs),
+        "both": len(ours & theirs),
+        "neither": len(set(by_id) - ours - theirs),
+        "only_ours": [by_id[i] for i in sorted(ours - theirs)],
+        "only_upstream": [by_id[i] for i in sorted(theirs - ours)],
+        "planned": sum(1 for m in run.get("mutants", []) if m["status"] in ("killed", "survived")),
+    }
+
+
+def render_head_to_head(runs: list[dict]) -> list[str]:
+    """Markdown: per release, how many mutants each suite kills and which only one of them kills."""
+    rows = [(run, h) for run in runs if (h := head_to_head(run))]
+    if not rows:
+        return []
+    out = [
+        "### Ours against vLLM's own tests, on the same mutants",
+        "",
+        "The upstream column (vLLM's test_nixl_simple_cpu_offload.py and test_multi_connector.py from the "
+        "release's sdist) run against the same mutants as ours.",
+        "",
+        "| cell | scored by both | ours kills | upstream kills | both | only ours | only upstream | neither |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run, h in rows:
+        partial = "" if h["scored"] == h["planned"] else f" (of {h['planned']})"
+        out.append(
+            f"| {run['id']} | {h['scored']}{partial} | {h['ours']} | {h['upstream']} | {h['both']} | "
+            f"{len(h['only_ours'])} | {len(h['only_upstream'])} | {h['neither']} |"
+        )
+    out.append("")
+    for run, h in rows:
+        if h["only_upstream"]:
+            out += [f"Killed by upstream only in {run['id']}:", ""]
+            out += [
+                f"- `{m['id']}` ({m['contract']}): by {m['upstream'].get('killed_by', '').split('::')[-1]}"
+                for m in h["only_upstream"]
+            ]
+            out.append("")
+        if h["only_ours"]:
+            out += [f"<details><summary>Killed by ours only in {run['id']}: {len(h['only_ours'])}</summary>", ""]
+            out += [f"- `{m['id']}` ({m['contract']}): by {_killer(m)}" for m in h["only_ours"]]
+            out += ["", "</details>", ""]
+    return out
+
+
 def render_markdown(runs: list[dict]) -> str:
     if not runs:
         return ""
@@ -92,6 +151,7 @@ def render_markdown(runs: list[dict]) -> str:
         out += ["Equivalent mutants (not run):", ""]
         out += [f"- `{m['id']}`: {m.get('reason')}" for m in equivalent.values()]
         out.append("")
+    out += render_head_to_head(runs)
     return "\n".join(out) + "\n"
 
 
@@ -111,6 +171,21 @@ def render_html(runs: list[dict]) -> str:
             + f"<td>{escape(_score(run))}</td><td>{escape(_state(run))}</td></tr>"
         )
     body.append("</table>")
+    rows = [(run, h) for run in runs if (h := head_to_head(run))]
+    if rows:
+        body.append(
+            "<h3>Ours against vLLM's own tests, on the same mutants</h3><table><tr><th>cell</th>"
+            "<th>scored by both</th><th>ours kills</th><th>upstream kills</th><th>both</th><th>only ours</th>"
+            "<th>only upstream</th><th>neither</th></tr>"
+        )
+        for run, h in rows:
+            cells = [h["scored"], h["ours"], h["upstream"], h["both"], len(h["only_ours"]), len(h["only_upstream"])]
+            body.append(
+                f"<tr><td>{escape(run['id'])}</td>"
+                + "".join(f"<td>{v}</td>" for v in cells)
+                + f"<td>{h['neither']}</td></tr>"
+            )
+        body.append("</table>")
     for run in runs:
         if not run.get("mutants"):
             continue
