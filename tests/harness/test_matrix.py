@@ -18,15 +18,22 @@ def write(tmp_path, text, name="matrix.toml"):
 
 
 def _official(entries):
-    return [e for e in entries if e.dist == "vllm"]
+    """The default matrix's releases with the torch they pin (not the next-torch override cell)."""
+    return [e for e in entries if e.dist == "vllm" and e.torch == ("pinned",)]
+
+
+def _next_torch(entries):
+    return [e for e in entries if e.dist == "vllm" and e.torch != ("pinned",)]
 
 
 def test_project_default_matrix_is_the_two_newest_releases_and_one_e2e_cell():
     entries = load_matrix(REPO / "pyproject.toml", "default")
     official = _official(entries)
     assert [e.vllm for e in official] == [Version("0.34.0"), Version("0.33.0")]
-    assert all(e.torch == ("pinned",) for e in official)
     assert official[0].overrides == ("flashinfer-python==0.7.4",)  # 0.34.0's pin 0.7.3 was never published
+    assert all(e.suites == ("ours", "upstream") for e in official)  # vLLM's own tests of the pair beside ours
+    (nxt,) = _next_torch(entries)
+    assert nxt.vllm == official[0].vllm and nxt.overrides == official[0].overrides  # the newest vLLM, as it runs
     e2e = [e for e in entries if "e2e" in e.suites]
     newest_e2e = load_matrix(REPO / "pyproject.toml", "e2e")[-1]
     assert [(e.dist, e.vllm, e.torch, e.nixl) for e in e2e] == [
@@ -65,6 +72,17 @@ def test_default_matrix_still_holds_the_newest_two_releases(tmp_path):
     released = [v for v in index.list_versions("vllm", cache_root=tmp_path, index_url=PYPI) if not v.is_prerelease]
     entries = _official(load_matrix(REPO / "pyproject.toml", "default"))
     assert [e.vllm for e in entries] == released[-1:-3:-1], f"the newest releases are now {released[-2:]}"
+
+
+@pytest.mark.slow  # asks the real index
+def test_default_matrix_tries_the_newest_torch_on_the_index(tmp_path):
+    """Fails when torch publishes a release: the default matrix's next-torch cell must follow it."""
+    from kvcompat import index
+    from kvcompat.options import PYPI
+
+    released = [v for v in index.list_versions("torch", cache_root=tmp_path, index_url=PYPI) if not v.is_prerelease]
+    (nxt,) = _next_torch(load_matrix(REPO / "pyproject.toml", "default"))
+    assert nxt.torch == (str(max(released)),), f"the newest torch on the index is now {max(released)}"
 
 
 def test_entry_forms(tmp_path):
