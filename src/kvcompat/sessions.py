@@ -340,10 +340,11 @@ def qualify(root: Path, values: Namespace, say: Callable[[str], None] = print) -
     )
     if Version(base) not in releases():
         raise q.QualifyError(f"--against {base}: vllm {base} is not on the index; name a published release")
-    overrides, table = q.base_overrides(root / "pyproject.toml", base)
+    overrides, suites, table = q.base_entry(root / "pyproject.toml", base)
     say(
         f"qualifying {candidate.source} ({candidate.origin}, vllm {candidate.version}) against vllm {base}"
-        + (f"; the base's overrides from the {table!r} matrix: {' '.join(overrides)}" if overrides else "")
+        + (f"; as the {table!r} matrix runs it: suites {', '.join(suites)}" if table else "; suite ours")
+        + (f", overrides {' '.join(overrides)}" if overrides else "")
     )
     base_cell, cand_cell = (
         resolve_cells(
@@ -353,8 +354,13 @@ def qualify(root: Path, values: Namespace, say: Callable[[str], None] = print) -
             index_url=values.index_url,
             find_links=values.find_links,
         )[0]
-        for entry in (Entry(vllm=Version(base), overrides=overrides), Entry(vllm=candidate.wheel, overrides=overrides))
+        for entry in (
+            Entry(vllm=Version(base), overrides=overrides, suites=suites),
+            Entry(vllm=candidate.wheel, overrides=overrides, suites=suites),
+        )
     )
+    # The candidate runs the base release's upstream tests (a wheel has no sdist of its own on the index).
+    cand_cell = dataclasses.replace(cand_cell, upstream_from=base)
     opts = run_options(root, values, [])
     base_result = run_cell(base_cell, cell_venv(root, base_cell), opts, progress=lambda s: say("  base: " + s))
     cand_opts = dataclasses.replace(opts, results_dir=root / "results" / "qualify")

@@ -484,13 +484,28 @@ def _generation_config(config: dict) -> dict:
     }
 
 
+def _byte_level_gpt2_tokenizer() -> dict[str, str]:
+    """vocab.json and merges.txt of a GPT-2 style tokenizer: the 256 byte symbols, OPT's two specials, no merges.
+
+    Enough for a tokenizer to load and to encode any text (a token per byte); not OPT's vocabulary.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols = [chr(b) for b in printable] + [chr(256 + n) for n in range(256 - len(printable))]
+    vocab = {s: i for i, s in enumerate(symbols)} | {"</s>": 256, "<pad>": 257}
+    return {"vocab.json": json.dumps(vocab) + "\n", "merges.txt": "#version: 0.2\n"}
+
+
 def hf_offline_cache(dest: Path, model_ids: list[str]) -> dict[str, str]:
     """Write an offline hub cache under ``dest`` for ``model_ids``; return the env vars that select it.
 
     Layout (huggingface_hub's own): ``dest/hub/models--org--name/{refs/main,
-    snapshots/<rev>/config.json, generation_config.json}``.  No weights
-    and no tokenizer: the connector tests build configs, never an engine that
-    serves text.  Raises KeyError for an id with no config in MODEL_CONFIGS.
+    snapshots/<rev>/config.json, generation_config.json}``.  No weights: the
+    connector tests build configs, never an engine that serves text.  OPT ids (the
+    default model of vLLM's ``create_vllm_config``) also get a byte-level GPT-2
+    tokenizer with no merges (:func:`_byte_level_gpt2_tokenizer`): a scheduler
+    builds a StructuredOutputManager, which loads the model's tokenizer (0.22.1's
+    ``test_multi_connector_handle_preemptions_integration`` failed without one, on
+    ``open(vocab_file)`` of None).  Raises KeyError for an id with no config in MODEL_CONFIGS.
     Idempotent; files are written atomically.
     """
     dest = Path(dest)
@@ -503,6 +518,8 @@ def hf_offline_cache(dest: Path, model_ids: list[str]) -> dict[str, str]:
             "config.json": json.dumps({**config, "_name_or_path": model_id}, indent=1) + "\n",
             "generation_config.json": json.dumps(_generation_config(config), indent=1) + "\n",
         }
+        if config["model_type"] == "opt":
+            files.update(_byte_level_gpt2_tokenizer())
         for name, text in files.items():
             _write_if_changed(snap / name, text)
         _write_if_changed(repo / "refs" / "main", SNAPSHOT_REVISION)

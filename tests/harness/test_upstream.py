@@ -277,6 +277,22 @@ def test_hf_cache_has_the_hub_layout(tmp_path):
         gen = json.loads((repo / "snapshots" / rev / "generation_config.json").read_text())
         assert gen["eos_token_id"] == config["eos_token_id"]
         assert not list((repo / "snapshots" / rev).glob("*.safetensors"))  # no weights, ever
+    opt = next((hub / "models--facebook--opt-125m" / "snapshots").iterdir())
+    vocab = json.loads((opt / "vocab.json").read_text())
+    assert len(vocab) == 258 and sorted(vocab.values()) == list(range(258))  # every byte, and OPT's specials
+    assert (opt / "merges.txt").read_text() == "#version: 0.2\n"
+
+
+def test_the_opt_tokenizer_loads_and_encodes_any_text_offline(tmp_path):
+    """What a scheduler's StructuredOutputManager does with create_vllm_config's default model."""
+    transformers = pytest.importorskip("transformers")
+    env = upstream.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m"])
+    snapshot = next((tmp_path / "hf" / "hub" / "models--facebook--opt-125m" / "snapshots").iterdir())
+    tok = transformers.GPT2TokenizerFast(
+        vocab_file=str(snapshot / "vocab.json"), merges_file=str(snapshot / "merges.txt")
+    )
+    assert len(tok("héllo")["input_ids"]) == len("héllo".encode())  # a token per byte
+    assert env["HF_HUB_OFFLINE"] == "1"
 
 
 def test_hf_cache_is_idempotent_and_rejects_unknown_ids(tmp_path):

@@ -89,7 +89,7 @@ def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
         # resolve to UnspecifiedPlatform here). Engine tests build LLM(...) with real weights,
         # which cannot exist offline: they are deselected, and the report lists them.
         up = upstream.prepare(
-            ctx.cell.vllm,
+            ctx.cell.upstream_from or ctx.cell.vllm,
             ctx.opts.repo / ".kvcompat" / "upstream",
             index_url=ctx.opts.upstream_index,
             platform="cpu",
