@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvcompat.cells import Cell
-from kvcompat.outcomes import Outcome
-from kvcompat.results import read_result
+from kvcompat.outcomes import Outcome, TestOutcome
+from kvcompat.results import TestResult, read_result
 from kvcompat.run.context import CellContext
 from kvcompat.run.install import DiskFullError
 from kvcompat.run.options import RunOptions
@@ -536,10 +536,7 @@ def test_a_cells_line_names_its_failing_tests_first():
     assert failing_first(t[:1]) == ""
 
 
-def _upstream_file_absent(rel: str) -> "TestResult":
-    from kvcompat.outcomes import TestOutcome
-    from kvcompat.results import TestResult
-
+def _upstream_file_absent(rel: str) -> TestResult:
     return TestResult(rel, TestOutcome.NOT_APPLICABLE, 0.0, f"vllm 0.22.1's sdist has no {rel}", suite="upstream")
 
 
@@ -559,8 +556,6 @@ def test_a_suite_whose_files_all_postdate_the_release_is_not_applicable_without_
 def test_a_file_the_release_lacks_is_not_applicable_beside_the_files_that_ran(monkeypatch):
     from types import SimpleNamespace
 
-    from kvcompat.outcomes import TestOutcome
-    from kvcompat.results import TestResult
     from kvcompat.run import suites
 
     absent = [_upstream_file_absent("test_seed.py")]
