@@ -291,10 +291,12 @@ class Change:
     base: str  # the outcome's value, or "absent"
     candidate: str
     message: str | None = None  # the candidate's failure, or the base's for a fix
+    suite: str = "ours"  # or "upstream": vLLM's own tests of the pair
 
     @property
     def name(self) -> str:
-        return self.nodeid.split("::")[-1]
+        test = self.nodeid.split("::")[-1]
+        return test if self.suite == "ours" else f"{self.suite}: {test}"
 
 
 @dataclasses.dataclass
@@ -329,7 +331,7 @@ def compare(base: CellResult, candidate: CellResult) -> Comparison:
     regressed, fixed, unchanged = [], [], []
     for nodeid in sorted(b.keys() | c.keys()):
         bt, ct = b.get(nodeid), c.get(nodeid)
-        change = Change(nodeid, _label(bt), _label(ct))
+        change = Change(nodeid, _label(bt), _label(ct), suite=(bt or ct).suite)  # type: ignore[union-attr]
         if _green(bt) and not _green(ct):
             regressed.append(
                 dataclasses.replace(change, message=ct.message if ct else "the candidate has no such test")
@@ -342,6 +344,16 @@ def compare(base: CellResult, candidate: CellResult) -> Comparison:
     if not candidate.tests and base.tests:
         did_not_run = f"{candidate.outcome.label}: {candidate.detail}"
     return Comparison(base, candidate, regressed, fixed, unchanged, did_not_run)
+
+
+def _per_suite(r: CellResult) -> str:
+    """``ours 49/53 passed; upstream 50/50 passed``: each suite's tests (n/a counted as run, never as red)."""
+    parts = []
+    for suite in dict.fromkeys(t.suite for t in r.tests):
+        tests = [t for t in r.tests if t.suite == suite]
+        passed = sum(t.outcome is TestOutcome.PASSED for t in tests)
+        parts.append(f"{suite} {passed}/{len(tests)} passed")
+    return "; ".join(parts) or "no tests ran"
 
 
 def _first_lines(text: str | None, n: int = 6) -> str:
@@ -364,12 +376,12 @@ def render_markdown(cmp: Comparison, cand: Candidate, base: str) -> str:
         "",
         head,
         "",
-        "| | vllm | torch | verdict |",
-        "|---|---|---|---|",
+        "| | vllm | torch | verdict | per suite |",
+        "|---|---|---|---|---|",
     ]
     for label, r in (("base", cmp.base), ("candidate", cmp.candidate)):
         torch = r.versions.get("torch", r.cell["torch"])
-        lines.append(f"| {label} | {r.cell['vllm']} | {torch} | {r.outcome.label}: {r.detail} |")
+        lines.append(f"| {label} | {r.cell['vllm']} | {torch} | {r.outcome.label}: {r.detail} | {_per_suite(r)} |")
     if cand.changed:
         shown = ", ".join(f"`{c}`" for c in cand.changed[:10]) + (" …" if len(cand.changed) > 10 else "")
         lines += ["", f"Python files laid over the {base} wheel: {shown}"]

@@ -198,6 +198,19 @@ def test_compare_per_contract():
     assert not cmp.ok
 
 
+def test_an_upstream_regression_is_named_with_its_suite():
+    up = TestOutcome.PASSED
+    base = result({"t::a": P})
+    base.tests.append(TestResult("u::b", up, 0.1, suite="upstream"))
+    cand = result({"t::a": P})
+    cand.tests.append(TestResult("u::b", F, 0.1, "vLLM's own assertion", suite="upstream"))
+    cmp = q.compare(base, cand)
+    assert [c.name for c in cmp.regressed] == ["upstream: b"]
+    assert "ours 1/1 passed; upstream 0/1 passed" in q.render_markdown(
+        cmp, q.Candidate(Path("x.whl"), "1", "wheel", Path("x.whl")), "0.34.0"
+    )
+
+
 def test_a_candidate_that_runs_no_tests_is_a_regression():
     cmp = q.compare(result({"a": P}), result({}, Outcome.INSTALL_ERROR))
     assert cmp.did_not_run == "install error: d" and not cmp.ok
@@ -211,6 +224,7 @@ def test_the_markdown_names_the_regressed_contracts_and_their_messages():
     text = q.render_markdown(cmp, cand, "0.34.0")
     assert "**REGRESSION**: 1 contract regressed · 0 fixed · 1 unchanged" in text
     assert "- `a`: passed → **failed**" in text and "  boom" in text
+    assert "| ours 2/2 passed |" in text and "| ours 1/2 passed |" in text
     ok = q.render_markdown(q.compare(result({"t::a": P}), result({"t::a": P})), cand, "0.34.0")
     assert "**No regression** · 0 fixed · 1 unchanged" in ok
 
