@@ -147,7 +147,10 @@ def test_full_disk_refuses_before_building(project):
     assert proc.returncode == 2 and "Traceback" not in out, out
     refusals = [line for line in out.splitlines() if line.startswith("kvcompat: error: ")]
     assert len(refusals) == 1, out
-    assert "GiB free under" in refusals[0] and "a new cell needs about 1000000 GiB: free space" in refusals[0]
+    assert (
+        "GiB free under" in refusals[0]
+        and "a new cell needs about 1000000 GiB (--min-free-gb): free space" in refusals[0]
+    )
     assert not list((project / "results").glob("*.json"))  # nothing half-done to resume from
     assert not list((project / ".kvcompat" / "venvs").glob("*/lib/python*/site-packages/vllm*.dist-info"))
 
