@@ -321,23 +321,39 @@ def http_index(folder: Path, wheels: list[Path]) -> None:
 
 def default_cell_venv(which: Callable[[dict], bool]) -> Path:
     """The venv of the first default-matrix entry ``which`` picks (its nixl-first cell), built with
-    ``nox -s matrix -k vllm_X -- --force`` (uv, from its cache) when it is missing."""
+    ``nox -s matrix -k "vllm_X and not torch_Y" -- --force`` (uv, from its cache) when it is missing."""
     default = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["kvcompat"]["matrix"]["default"]
     entry = next(e for e in default if which(e))
     prefix = f"{entry.get('dist', 'vllm')}-{entry['vllm']}__"
-    tag = "vllm_" + entry["vllm"].replace(".", "_")
+    # The same release may have other entries with a torch of their own (the next-torch cell):
+    # neither built nor picked here.
+    others = {
+        e["torch"]
+        for e in default
+        if e is not entry and e["vllm"] == entry["vllm"] and e.get("dist") == entry.get("dist") and "torch" in e
+    }
+    others.discard(entry.get("torch"))
+    expression = " and ".join(
+        ["vllm_" + entry["vllm"].replace(".", "_")] + [f"not torch_{t.replace('.', '_')}" for t in sorted(others)]
+    )
     venvs = REPO / ".kvcompat" / "venvs"
 
     def found() -> list[Path]:
         return [
             p
             for p in sorted(venvs.glob(prefix + "*"))
-            if p.is_dir() and "offload-first" not in p.name and (p / "bin" / "python").exists()
+            if p.is_dir()
+            and "offload-first" not in p.name
+            and not any(f"__torch-{t}" in p.name for t in others)
+            and (p / "bin" / "python").exists()
         ]
 
     if not found():
         proc = subprocess.run(
-            nox_command(REPO, "-s", "matrix", "-k", tag, "--", "--force"), capture_output=True, text=True, cwd=REPO
+            nox_command(REPO, "-s", "matrix", "-k", expression, "--", "--force"),
+            capture_output=True,
+            text=True,
+            cwd=REPO,
         )
-        assert found(), f"could not build the {tag} cell: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        assert found(), f"could not build the {expression} cell: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
     return found()[0]
