@@ -325,7 +325,7 @@ def _label(t: TestResult | None) -> str:
 
 
 def compare(base: CellResult, candidate: CellResult) -> Comparison:
-    """Per test of our suite: green in the base and red (or gone) in the candidate is a regression."""
+    """Per test of every suite: green in the base and red (or gone) in the candidate is a regression."""
     b = {t.nodeid: t for t in base.tests}
     c = {t.nodeid: t for t in candidate.tests}
     regressed, fixed, unchanged = [], [], []

@@ -321,12 +321,16 @@ def qualify(root: Path, values: Namespace, say: Callable[[str], None] = print) -
     The Markdown is also written to reports/qualify-<candidate>.md.
     """
     import dataclasses
+    import functools
 
     from kvcompat import qualify as q
     from kvcompat import upstream
     from kvcompat.atomic import write_atomic
 
+    @functools.cache
     def releases() -> list[Version]:
+        # Listed when first needed (a bad candidate is refused before the index is asked), then once
+        # for both the base it descends from and the check that --against names a release.
         return index.list_versions("vllm", cache_root=root, index_url=values.index_url)
 
     work = root / ".kvcompat" / "candidates"

@@ -359,14 +359,8 @@ def _upstream_scorer(
     t0 = time.monotonic()
     with ctx.timed("upstream baseline"):
         verdict = suites.run_suite(ctx, "upstream")
-    passed = {t.nodeid for t in verdict.tests if t.outcome.value == "passed"}
-    run.upstream_baseline = {
-        "outcome": verdict.outcome.value,
-        "detail": verdict.detail,
-        "seconds": round(time.monotonic() - t0, 2),
-        "passed": sorted(passed),
-        "tests": len(verdict.tests),
-    }
+    run.upstream_baseline = _baseline_record(verdict, time.monotonic() - t0)
+    passed = set(run.upstream_baseline["passed"])
     if verdict.outcome is not Outcome.PASS:
         ctx.say(f"upstream baseline is {verdict.outcome.value}: {verdict.detail}; mutants scored by ours only")
         return None
@@ -387,14 +381,19 @@ def _baseline(ctx: CellContext, run: MutationRun) -> None:
     t0 = time.monotonic()
     with ctx.timed("baseline"):
         verdict = suites.run_pytest(ctx, "ours", _suite_run(ctx))
-    run.baseline = {
+    run.baseline = _baseline_record(verdict, time.monotonic() - t0)
+    run.scored = verdict.outcome is Outcome.PASS
+
+
+def _baseline_record(verdict: suites.SuiteVerdict, seconds: float) -> dict:
+    """What a run keeps of a suite's unmutated run: its verdict, its time, and the tests green on it."""
+    return {
         "outcome": verdict.outcome.value,
         "detail": verdict.detail,
-        "seconds": round(time.monotonic() - t0, 2),
+        "seconds": round(seconds, 2),
         "passed": sorted(t.nodeid for t in verdict.tests if t.outcome.value == "passed"),
         "tests": len(verdict.tests),
     }
-    run.scored = verdict.outcome is Outcome.PASS
 
 
 class Killers:

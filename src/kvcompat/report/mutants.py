@@ -180,11 +180,8 @@ def render_html(runs: list[dict]) -> str:
         )
         for run, h in rows:
             cells = [h["scored"], h["ours"], h["upstream"], h["both"], len(h["only_ours"]), len(h["only_upstream"])]
-            body.append(
-                f"<tr><td>{escape(run['id'])}</td>"
-                + "".join(f"<td>{v}</td>" for v in cells)
-                + f"<td>{h['neither']}</td></tr>"
-            )
+            cells.append(h["neither"])
+            body.append(f"<tr><td>{escape(run['id'])}</td>" + "".join(f"<td>{v}</td>" for v in cells) + "</tr>")
         body.append("</table>")
     for run in runs:
         if not run.get("mutants"):
