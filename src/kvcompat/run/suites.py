@@ -88,9 +88,8 @@ def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
         # platform="cpu": vLLM's CpuPlatform, as for our suite (the official wheels otherwise
         # resolve to UnspecifiedPlatform here). Engine tests build LLM(...) with real weights,
         # which cannot exist offline: they are deselected, and the report lists them.
-        release = ctx.cell.upstream_from or ctx.cell.vllm  # a candidate runs its base release's tests
         up = upstream.prepare(
-            release,
+            ctx.cell.upstream_from or ctx.cell.vllm,
             ctx.opts.repo / ".kvcompat" / "upstream",
             index_url=ctx.opts.upstream_index,
             platform="cpu",
@@ -101,7 +100,7 @@ def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
                 nodeid=rel,
                 outcome=TestOutcome.NOT_APPLICABLE,
                 duration=0.0,
-                message=f"vllm {release}'s sdist has no {rel.rsplit('/', 1)[-1]}: the release predates it",
+                message=f"vllm {ctx.cell.vllm}'s sdist has no {rel.rsplit('/', 1)[-1]}: the release predates it",
                 suite="upstream",
             )
             for rel in up.absent
@@ -125,9 +124,7 @@ def run_suite(ctx: CellContext, suite: str) -> SuiteVerdict:
     if not run.path:  # every file of the suite is newer than this release: nothing can run, nothing is red
         names = ", ".join(t.nodeid.rsplit("/", 1)[-1] for t in run.not_applicable)
         return SuiteVerdict(
-            Outcome.NOT_APPLICABLE,
-            f"vllm {ctx.cell.upstream_from or ctx.cell.vllm} predates {names} (not in its sdist)",
-            run.not_applicable,
+            Outcome.NOT_APPLICABLE, f"vllm {ctx.cell.vllm} predates {names} (not in its sdist)", run.not_applicable
         )
     verdict = run_pytest(ctx, suite, run)
     if run.not_applicable:
