@@ -19,6 +19,12 @@ agent that no instance in this process answers to gets nothing delivered and no
 bytes moved.  Every call is recorded in ``calls`` (name, args, kwargs) so tests
 can assert on what vLLM asked the agent to do.  All instances created in the
 process are kept in ``FakeNixlWrapper.instances``.
+
+``FakeNixlWrapper`` is composed of one mixin per role, so each reads on its own:
+``_AgentsAndMemory`` (backends, memory registration, descriptor lists, remote
+agents), ``_Transfers`` (prepped lists, transfer handles and states, the byte
+copies) and ``_Notifications`` (queueing, delivery by name, draining); the
+class itself holds the process-wide state (``instances``, ``polls_until_done``).
 """
 
 from __future__ import annotations
@@ -91,71 +97,25 @@ class RecordedCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-class FakeNixlWrapper:
-    """Drop-in stand-in for ``nixl_agent(name, config)``."""
+class _Recorder:
+    """The call record every role writes to: each call as (name, args, kwargs), in order."""
 
-    instances: ClassVar[list[FakeNixlWrapper]] = []
-    polls_until_done: ClassVar[int] = 1
-    _lock: ClassVar[threading.Lock] = threading.Lock()
+    name: str
+    calls: list[RecordedCall]
 
-    def __init__(self, agent_name: str, config: Any = None, *args: Any, **kwargs: Any):
-        self.name = agent_name
-        self.config = config
-        self.calls: list[RecordedCall] = []
-        self.registered: list[FakeDescList] = []
-        self.remote_agents: dict[str, bytes] = {}
-        self.backends: list[str] = ["UCX"]
-        self._handles = itertools.count(1)
-        self._dlists: dict[int, tuple[str, FakeDescList]] = {}
-        self._xfers: dict[int, _Xfer] = {}
-        self._notifs: dict[str, list[bytes]] = {}
-        self._record("__init__", (agent_name, config) + args, kwargs)
-        with FakeNixlWrapper._lock:
-            FakeNixlWrapper.instances.append(self)
-
-    # -- recording helpers -------------------------------------------------
     def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.calls.append(RecordedCall(name, tuple(args), dict(kwargs)))
 
     def calls_named(self, name: str) -> list[RecordedCall]:
         return [c for c in self.calls if c.name == name]
 
-    @classmethod
-    def reset(cls) -> None:
-        with cls._lock:
-            cls.instances.clear()
 
-    def inject_notif(self, remote_agent_name: str, msg: bytes) -> None:
-        """Queue a notification as if ``remote_agent_name`` had sent ``msg``."""
-        with FakeNixlWrapper._lock:
-            self._notifs.setdefault(remote_agent_name, []).append(_as_bytes(msg))
+class _AgentsAndMemory(_Recorder):
+    """Backends, memory registration and descriptor lists, remote agents and their metadata."""
 
-    @classmethod
-    def named(cls, name: str | bytes) -> FakeNixlWrapper | None:
-        """The agent of this process that answers to ``name`` (None: no such agent here)."""
-        key = _agent_key(name)
-        with cls._lock:
-            return next((a for a in reversed(cls.instances) if a.name == key), None)
-
-    def _complete(self, x: _Xfer) -> None:
-        """What the NIXL backend does when a prepped transfer finishes: move the bytes, notify the peer."""
-        remote_agent, remote = self._dlists.get(x.remote, ("", FakeDescList(None, [])))
-        _, local = self._dlists.get(x.local, ("", FakeDescList(None, [])))
-        peer = FakeNixlWrapper.named(remote_agent) if remote_agent else None
-        if peer is None:
-            return
-        local_descs, remote_descs = _expand(local.descs), _expand(remote.descs)
-        for li, ri in zip(x.local_indices, x.remote_indices, strict=True):
-            laddr, llen = local_descs[li]
-            raddr, rlen = remote_descs[ri]
-            if llen != rlen:
-                raise ValueError(f"transfer of {llen} bytes into a {rlen}-byte remote descriptor")
-            if x.op == "READ":
-                ctypes.memmove(laddr, raddr, llen)
-            elif x.op == "WRITE":
-                ctypes.memmove(raddr, laddr, llen)
-        if x.notif_msg:
-            peer.inject_notif(self.name, x.notif_msg)
+    registered: list[FakeDescList]
+    remote_agents: dict[str, bytes]
+    backends: list[str]
 
     # -- backends / plugins -------------------------------------------------
     def get_plugin_list(self) -> list[str]:
@@ -206,23 +166,28 @@ class FakeNixlWrapper:
 
     def remove_remote_agent(self, agent: str | bytes) -> None:
         self._record("remove_remote_agent", (agent,), {})
-        key = agent.decode() if isinstance(agent, bytes) else agent
-        self.remote_agents.pop(key, None)
+        self.remote_agents.pop(_agent_key(agent), None)
 
     def check_remote_metadata(self, agent: str | bytes, *args: Any, **kwargs: Any) -> bool:
         self._record("check_remote_metadata", (agent,) + args, kwargs)
-        key = agent.decode() if isinstance(agent, bytes) else agent
-        return key in self.remote_agents
+        return _agent_key(agent) in self.remote_agents
 
-    # -- transfers ------------------------------------------------------------
+
+class _Transfers(_Recorder):
+    """Prepped descriptor lists and transfers: their handles, their states, the bytes they copy."""
+
+    polls_until_done: ClassVar[int]
+    _handles: itertools.count[int]
+    _dlists: dict[int, tuple[str, FakeDescList]]
+    _xfers: dict[int, _Xfer]
+
     def prep_xfer_dlist(
         self, agent_name: str | bytes, xfer_list: Any, mem_type: str | None = None, *args: Any, **kwargs: Any
     ) -> int:
         self._record("prep_xfer_dlist", (agent_name, xfer_list, mem_type) + args, kwargs)
         h = next(self._handles)
         dl = xfer_list if isinstance(xfer_list, FakeDescList) else FakeDescList(mem_type, list(xfer_list))
-        key = agent_name.decode() if isinstance(agent_name, bytes) else agent_name
-        self._dlists[h] = (key, dl)
+        self._dlists[h] = (_agent_key(agent_name), dl)
         return h
 
     def release_dlist_handle(self, handle: int) -> None:
@@ -304,12 +269,37 @@ class FakeNixlWrapper:
             raise ValueError(f"unknown xfer handle {handle}")
         del self._xfers[handle]
 
-    def check_remote_xfer_done(self, remote_agent: str, lookup_msg: bytes) -> bool:
-        self._record("check_remote_xfer_done", (remote_agent, lookup_msg), {})
-        msgs = self._notifs.get(remote_agent, [])
-        return any(lookup_msg in m for m in msgs)
+    def _complete(self, x: _Xfer) -> None:
+        """What the NIXL backend does when a prepped transfer finishes: move the bytes, notify the peer."""
+        remote_agent, remote = self._dlists.get(x.remote, ("", FakeDescList(None, [])))
+        _, local = self._dlists.get(x.local, ("", FakeDescList(None, [])))
+        peer = FakeNixlWrapper.named(remote_agent) if remote_agent else None
+        if peer is None:
+            return
+        local_descs, remote_descs = _expand(local.descs), _expand(remote.descs)
+        for li, ri in zip(x.local_indices, x.remote_indices, strict=True):
+            laddr, llen = local_descs[li]
+            raddr, rlen = remote_descs[ri]
+            if llen != rlen:
+                raise ValueError(f"transfer of {llen} bytes into a {rlen}-byte remote descriptor")
+            if x.op == "READ":
+                ctypes.memmove(laddr, raddr, llen)
+            elif x.op == "WRITE":
+                ctypes.memmove(raddr, laddr, llen)
+        if x.notif_msg:
+            peer.inject_notif(self.name, x.notif_msg)
 
-    # -- notifications --------------------------------------------------------
+
+class _Notifications(_Recorder):
+    """Notifications: queued per sending agent, delivered to agents of this process by name, drained."""
+
+    _notifs: dict[str, list[bytes]]
+
+    def inject_notif(self, remote_agent_name: str, msg: bytes) -> None:
+        """Queue a notification as if ``remote_agent_name`` had sent ``msg``."""
+        with FakeNixlWrapper._lock:
+            self._notifs.setdefault(remote_agent_name, []).append(_as_bytes(msg))
+
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         self._record("get_new_notifs", (), {})
         with FakeNixlWrapper._lock:
@@ -321,3 +311,43 @@ class FakeNixlWrapper:
         peer = FakeNixlWrapper.named(remote_agent_name)
         if peer is not None:
             peer.inject_notif(self.name, _as_bytes(notif_msg))
+
+    def check_remote_xfer_done(self, remote_agent: str, lookup_msg: bytes) -> bool:
+        self._record("check_remote_xfer_done", (remote_agent, lookup_msg), {})
+        msgs = self._notifs.get(remote_agent, [])
+        return any(lookup_msg in m for m in msgs)
+
+
+class FakeNixlWrapper(_AgentsAndMemory, _Transfers, _Notifications):
+    """Drop-in stand-in for ``nixl_agent(name, config)``."""
+
+    instances: ClassVar[list[FakeNixlWrapper]] = []
+    polls_until_done: ClassVar[int] = 1
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, agent_name: str, config: Any = None, *args: Any, **kwargs: Any):
+        self.name = agent_name
+        self.config = config
+        self.calls: list[RecordedCall] = []
+        self.registered: list[FakeDescList] = []
+        self.remote_agents: dict[str, bytes] = {}
+        self.backends: list[str] = ["UCX"]
+        self._handles = itertools.count(1)
+        self._dlists: dict[int, tuple[str, FakeDescList]] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._notifs: dict[str, list[bytes]] = {}
+        self._record("__init__", (agent_name, config) + args, kwargs)
+        with FakeNixlWrapper._lock:
+            FakeNixlWrapper.instances.append(self)
+
+    @classmethod
+    def reset(cls) -> None:
+        with cls._lock:
+            cls.instances.clear()
+
+    @classmethod
+    def named(cls, name: str | bytes) -> FakeNixlWrapper | None:
+        """The agent of this process that answers to ``name`` (None: no such agent here)."""
+        key = _agent_key(name)
+        with cls._lock:
+            return next((a for a in reversed(cls.instances) if a.name == key), None)
