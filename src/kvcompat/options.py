@@ -1,7 +1,7 @@
 """Every option kvcompat takes, in one table: name, type, default, environment variable, help.
 
 The parsers of the nox sessions and of the ``kvcompat`` command, their usage
-lines, the README's options table and bisect's resume command are all built from
+lines, the options table of docs/options.md and bisect's resume command are all built from
 :data:`OPTIONS`.  Environment variables are read here and nowhere else: the
 rest of the harness gets plain values.
 """
@@ -384,8 +384,32 @@ def command_line(command: str, values: Mapping[str, Any], prog: str | None = Non
     return f"{prog or _prog(command)} " + shlex.join(args)
 
 
+# The page that documents every option, and the markers its generated table sits between.
+DOCS_PAGE = "docs/options.md"
+TABLE_BEGIN = "<!-- options:begin (generated from kvcompat.options) -->"
+TABLE_END = "<!-- options:end -->"
+
+
+def with_table(page: str) -> str:
+    """``page`` (the text of :data:`DOCS_PAGE`) with the table between its markers made :func:`markdown_table`."""
+    if page.count(TABLE_BEGIN) != 1 or page.count(TABLE_END) != 1 or page.index(TABLE_BEGIN) > page.index(TABLE_END):
+        raise ValueError(f"{DOCS_PAGE} needs one {TABLE_BEGIN} line and, after it, one {TABLE_END} line")
+    head, rest = page.split(TABLE_BEGIN)
+    return f"{head}{TABLE_BEGIN}\n{markdown_table()}\n{TABLE_END}{rest.split(TABLE_END)[1]}"
+
+
+def write_docs_table(repo: Path) -> bool:
+    """Regenerate the options table of ``repo``'s :data:`DOCS_PAGE`; True when it changed."""
+    path = repo / DOCS_PAGE
+    old = path.read_text()
+    new = with_table(old)
+    if new != old:
+        path.write_text(new)
+    return new != old
+
+
 def markdown_table() -> str:
-    """The README's options table."""
+    """The options table of :data:`DOCS_PAGE` (between :data:`TABLE_BEGIN` and :data:`TABLE_END`)."""
 
     def cell(value: str) -> str:
         return value.replace("|", "\\|")

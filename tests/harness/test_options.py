@@ -1,4 +1,4 @@
-"""The options table: one source for parsers, environment variables, the README and resume commands."""
+"""The options table: one source for parsers, environment variables, docs/options.md and resume commands."""
 
 from __future__ import annotations
 
@@ -58,9 +58,35 @@ def test_bad_environment_values_name_the_variable():
         options.parse("list", [], {"UV_DEFAULT_INDEX": "mirror"})
 
 
-def test_readme_options_table_is_the_generated_one():
-    readme = (REPO / "README.md").read_text()
+def test_docs_options_table_is_the_generated_one():
+    page = (REPO / options.DOCS_PAGE).read_text()
     begin, end = "<!-- options:begin (generated from kvcompat.options) -->", "<!-- options:end -->"
-    assert begin in readme and end in readme
-    table = readme.split(begin, 1)[1].split(end, 1)[0].strip()
-    assert table == options.markdown_table(), "README options table is stale: paste options.markdown_table()"
+    assert (options.TABLE_BEGIN, options.TABLE_END) == (begin, end)
+    assert begin in page and end in page
+    table = page.split(begin, 1)[1].split(end, 1)[0].strip()
+    assert table == options.markdown_table(), (
+        f"{options.DOCS_PAGE}'s options table is stale: regenerate it with "
+        "python3 -c 'from pathlib import Path; from kvcompat import options; options.write_docs_table(Path.cwd())'"
+    )
+    assert options.with_table(page) == page
+
+
+def test_the_readme_links_the_options_page():
+    assert f"]({options.DOCS_PAGE})" in (REPO / "README.md").read_text()
+
+
+def test_the_options_table_is_regenerated_between_its_markers_only(tmp_path):
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / options.DOCS_PAGE
+    stale = f"# Options\n\nabove\n\n{options.TABLE_BEGIN}\n| old |\n{options.TABLE_END}\n\nbelow\n"
+    page.write_text(stale)
+    assert options.write_docs_table(tmp_path) is True
+    text = page.read_text()
+    assert (
+        text
+        == f"# Options\n\nabove\n\n{options.TABLE_BEGIN}\n{options.markdown_table()}\n{options.TABLE_END}\n\nbelow\n"
+    )
+    assert options.write_docs_table(tmp_path) is False and page.read_text() == text
+    page.write_text("# Options\n\nno markers\n")
+    with pytest.raises(ValueError, match="needs one"):
+        options.write_docs_table(tmp_path)
