@@ -1,0 +1,183 @@
+"""The README and docs/ hold together: every relative link and image resolves, every #anchor names a heading.
+
+Relative targets must exist in the repository (a ``#anchor`` must be a heading of the target page,
+as GitHub slugs it); external http(s) links are never fetched (no network), only checked to be well
+formed.  Code (fenced blocks, inline spans) is not Markdown and is skipped.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO
+
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)[ \t]*#*[ \t]*$")
+CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
+# [text](target) and ![alt](target); a target may be <wrapped> and may carry a "title".
+INLINE = re.compile(
+    r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*(<[^>]*>|[^\s()]*(?:\([^\s()]*\)[^\s()]*)*)(?:\s+\"[^\"]*\")?\s*\)"
+)
+REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*(\S+)")
+HTML_ATTR = re.compile(r"<(?:a|img)\b[^>]*?\b(?:href|src)=\"([^\"]*)\"", re.IGNORECASE)
+HTML_ANCHOR = re.compile(r"<[^>]+\b(?:id|name)=\"([^\"]+)\"", re.IGNORECASE)
+
+
+def pages(repo: Path = REPO) -> list[Path]:
+    return [repo / "README.md", *sorted((repo / "docs").rglob("*.md"))]
+
+
+def prose(text: str) -> list[tuple[int, str]]:
+    """The lines that are Markdown (numbered from 1), fenced code blocks and inline code spans blanked."""
+    out, fence = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        m = FENCE.match(line)
+        if fence:
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not line[m.end() :].strip():
+                fence = None
+            continue
+        if m:
+            fence = m.group(1)
+            continue
+        out.append((number, CODE_SPAN.sub("", line)))
+    return out
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: its text, lowercased, punctuation dropped, each space a hyphen."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text, not its target
+    text = re.sub(r"<[^>]+>", "", text).replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every anchor of a Markdown page: its headings' slugs (repeats get -1, -2, …) and HTML ids."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    text = path.read_text()
+    for _, line in prose(text):
+        if m := HEADING.match(line):
+            base = slug(m.group(2))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            found.add(base if n == 0 else f"{base}-{n}")
+        found |= set(HTML_ANCHOR.findall(line))
+    return found
+
+
+def links(path: Path) -> list[tuple[int, str]]:
+    """Every link and image target of a page, with its line number."""
+    out = []
+    for number, line in prose(path.read_text()):
+        targets = [t.strip("<>") for t in INLINE.findall(line)]
+        targets += HTML_ATTR.findall(line)
+        if m := REFERENCE.match(line):
+            targets.append(m.group(1).strip("<>"))
+        out += [(number, t) for t in targets]
+    return out
+
+
+def problem(page: Path, target: str, repo: Path = REPO) -> str | None:
+    """Why ``target``, linked from ``page``, is broken; None when it is fine."""
+    parts = urllib.parse.urlsplit(target)
+    if parts.scheme in ("http", "https"):
+        host = parts.hostname or ""
+        if not re.fullmatch(r"[A-Za-z0-9.-]+\.[A-Za-z]{2,}|localhost|\d+(\.\d+){3}", host) or any(
+            c.isspace() for c in target
+        ):
+            return f"malformed URL {target!r}"
+        return None
+    if parts.scheme == "mailto":
+        return None if re.fullmatch(r"[^@\s]+@[^@\s]+\.[^@\s]+", parts.path) else f"malformed address {target!r}"
+    if parts.scheme or parts.netloc:
+        return f"unexpected link {target!r} (relative paths, #anchors or http(s) URLs only)"
+    if not target:
+        return "empty link"
+    file = page
+    if parts.path:
+        if parts.path.startswith("/"):
+            return f"{target!r} is absolute: links are relative to the page"
+        file = (page.parent / urllib.parse.unquote(parts.path)).resolve()
+        if not file.is_relative_to(repo.resolve()):
+            return f"{target!r} leaves the repository"
+        if not file.exists():
+            return f"{target!r}: no such file {file.relative_to(repo.resolve())}"
+    if parts.fragment:
+        if file.suffix != ".md" or not file.is_file():
+            return f"{target!r}: an anchor into something that is not a Markdown page"
+        if urllib.parse.unquote(parts.fragment) not in anchors(file):
+            return f"{target!r}: no heading of {file.name} has the anchor #{parts.fragment}"
+    return None
+
+
+def broken(repo: Path = REPO) -> list[str]:
+    out = []
+    for page in pages(repo):
+        for number, target in links(page):
+            if why := problem(page, target, repo):
+                out.append(f"{page.relative_to(repo)}:{number}: {why}")
+    return out
+
+
+def test_every_link_and_image_of_the_readme_and_docs_resolves():
+    assert broken() == []
+
+
+def test_the_readme_links_every_docs_page():
+    readme = {t.split("#")[0] for _, t in links(REPO / "README.md")}
+    unlinked = [
+        str(p.relative_to(REPO)) for p in sorted((REPO / "docs").glob("*.md")) if str(p.relative_to(REPO)) not in readme
+    ]
+    assert unlinked == [], f"docs pages the README does not link: {unlinked}"
+
+
+def test_the_readme_shows_the_report():
+    images = [t for _, t in links(REPO / "README.md") if t.endswith(".png")]
+    assert images and all((REPO / t).is_file() for t in images)
+
+
+@pytest.mark.parametrize(
+    "heading, anchor",
+    [
+        ("Without nox: the `kvcompat` command", "without-nox-the-kvcompat-command"),
+        ("Override cells and torch's companions", "override-cells-and-torchs-companions"),
+        ("Which release fixed it?", "which-release-fixed-it"),
+        ("Mutation testing: does the suite notice?", "mutation-testing-does-the-suite-notice"),
+        ("As released, or today", "as-released-or-today"),
+        ("`test_x` and [a link](x.md)", "test_x-and-a-link"),
+    ],
+)
+def test_headings_slug_as_github_does(heading, anchor):
+    assert slug(heading) == anchor
+
+
+def test_the_checker_finds_what_is_broken(tmp_path):
+    """Negative control: each kind of breakage in a page is named; code and fine links are not."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A page\n\n## Two words\n\n## Two words\n")
+    (tmp_path / "docs" / "pic.png").write_bytes(b"")
+    (tmp_path / "README.md").write_text(
+        "# Top\n\n"
+        "[ok](docs/a.md) [ok](docs/a.md#two-words) [ok](docs/a.md#two-words-1) ![ok](docs/pic.png)\n"
+        '[ok](#top) [ok](https://github.com/vllm-project/vllm) [ok](<docs/a.md> "title")\n'
+        "`[not a link](nowhere.md)`\n"
+        "```bash\n[not a link](nowhere.md)\n# not a heading\n```\n"
+        "[gone](docs/b.md)\n"
+        "![gone](docs/img/missing.png)\n"
+        "[bad anchor](docs/a.md#three-words)\n"
+        "[bad self anchor](#not-a-heading)\n"
+        "[bad url](https://github/vllm-project)\n"
+        "[bad url](http:///path)\n"
+        "[outside](../elsewhere.md)\n"
+        "[ref]: docs/c.md\n"
+    )
+    found = broken(tmp_path)
+    assert [f.split(": ", 1)[0] for f in found] == [f"README.md:{n}" for n in (10, 11, 12, 13, 14, 15, 16, 17)], found
+    assert "no such file docs/b.md" in found[0] and "no such file docs/img/missing.png" in found[1]
+    assert "#three-words" in found[2] and "#not-a-heading" in found[3]
+    assert "malformed URL" in found[4] and "malformed URL" in found[5]
+    assert "leaves the repository" in found[6] and "no such file docs/c.md" in found[7]
