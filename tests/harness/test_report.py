@@ -190,7 +190,45 @@ def test_suite_columns_and_disagreement(tmp_path):
     rep = build_report([results])
     assert rep.columns == ["torch 2.13.0 · upstream", "torch 2.13.0 · ours/real-nixl 1.5.1", "torch 2.13.0 · ours/fake"]
     md = render_markdown(rep)
-    assert "ours says **pass**, upstream says **test fail**" in md
+    # the cell's line counts each suite on its own: ours' tally, then the upstream column's, never one sum
+    assert "ours says **pass**, upstream says **test fail** (ours 1/1 passed · upstream 0/1 passed, 1 failed)" in md
+
+
+def test_a_cells_line_counts_ours_and_the_upstream_column_apart(tmp_path):
+    """Ours 49/53 and upstream 99 passed are two tallies, never "49/53 (99 passed)": each suite on its own."""
+    from kvcompat.report.model import suite_tallies, suite_tally
+    from kvcompat.report.webpage import render_html
+
+    ours = [("t_pass", "passed", None)] * 3 + [("t_na", "not_applicable", "absent"), ("t_fail", "failed", "E no")]
+    r = result(
+        "0.34.0",
+        "2.14.0",
+        Outcome.TEST_FAIL,
+        ours,
+        "3/5 tests passed",
+        suites={"ours": {"outcome": "test_fail", "detail": "3/5"}, "upstream": {"outcome": "pass", "detail": "2/3"}},
+    )
+    up = "tests/v1/kv_connector/unit/test_multi_connector.py::"
+    r.tests += [TestResult(up + f"test_{i}", TestOutcome.PASSED, 1.0, None, "upstream") for i in range(2)]
+    r.tests.append(TestResult(up + "test_gpu", TestOutcome.NOT_APPLICABLE, 0.0, "no GPU", "upstream"))
+    assert suite_tallies(r) == "ours 3/5 passed, 1 failed, 1 n/a · upstream 2/3 passed, 1 n/a"
+    assert suite_tally([]) == "no tests ran"
+    r.suites["e2e"] = {"outcome": "test_error", "detail": "crashed"}  # a suite that ran no test says so
+    assert suite_tallies(r).endswith(" · e2e no tests ran")
+    del r.suites["e2e"]
+    assert suite_tallies(result("0.34.0", "2.14.0", Outcome.INSTALL_ERROR)) == ""  # never reached its tests
+
+    results = tmp_path / "r"
+    write_result(results, r)
+    rep = build_report([results])
+    md = render_markdown(rep)
+    assert (
+        "ours says **test fail**, upstream says **pass** (ours 3/5 passed, 1 failed, 1 n/a · upstream 2/3 passed, 1 n/a)"
+        in md
+    )
+    assert "(5 passed" not in md and "5/8" not in md  # no tally of both suites together
+    html = render_html(rep)
+    assert html.count("the cell's suites: ours 3/5 passed, 1 failed, 1 n/a · upstream 2/3 passed, 1 n/a") == 2
 
 
 def test_e2e_square_sits_in_its_release_row_and_a_disagreement_has_its_section(tmp_path):

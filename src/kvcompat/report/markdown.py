@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report.drift import environment_pairs
-from kvcompat.report.model import BAD_TESTS, Report, Timeline, TimelineRow, short_test
+from kvcompat.report.model import BAD_TESTS, Report, Timeline, TimelineRow, short_test, suite_tally
 from kvcompat.results import headline
 
 MARK = {
@@ -135,7 +135,7 @@ def render_markdown(rep: Report) -> str:
         out += ["## Suites disagree", ""]
         out += [
             f"- {ours.row} ({ours.torch_label}): ours says **{ours.outcome.label}**, upstream says "
-            f"**{up.outcome.label}** ({up.text()})"
+            f"**{up.outcome.label}** (ours {suite_tally(ours.tests)} · upstream {suite_tally(up.tests)})"
             for ours, up in disagreements
         ] + [""]
 

@@ -13,7 +13,7 @@ import re
 from html import escape
 
 from kvcompat.outcomes import Outcome, TestOutcome
-from kvcompat.report.model import SQUARE_OUTCOME, GridCell, Report, Timeline, short_test
+from kvcompat.report.model import SQUARE_OUTCOME, GridCell, Report, Timeline, short_test, suite_tallies
 
 COLOURS = {
     Outcome.PASS: ("#1a7f37", "#dafbe1"),
@@ -101,6 +101,8 @@ def _panel(rep: Report, gc: GridCell) -> str:
         f'<span class="tag" style="{_style(gc.outcome)}">{escape(gc.outcome.label)}</span></h3>',
         f"<p>{escape(gc.detail or r.detail)}</p>",
     ]
+    if len(set(r.suites) | {t.suite for t in r.tests}) > 1:  # the cell's suites, each counted on its own
+        parts.append(f'<p class="small">the cell\'s suites: {escape(suite_tallies(r))}</p>')
     phases = ", ".join(f"{k} {v:.1f}s" for k, v in r.phases.items())
     env = r.environment or {}
     env_text = {"as-released": f"as released (index up to {env.get('exclude_newer')})", "today": "today's index"}.get(
