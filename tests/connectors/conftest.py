@@ -170,6 +170,7 @@ class Engine:
     order: str
     aggregator: Any = None  # the release's KVOutputAggregator, when there is more than one rank
     baseline_free: int = 0  # free blocks when nothing holds any (set when built)
+    baseline: va.IdleState | None = None  # free device blocks and pinned CPU-tier blocks when built
     transfers: Any = None  # what moves the CPU-offload child's blocks (the `transport` fixture)
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     metas: list[Any] = field(default_factory=list)
@@ -266,6 +267,19 @@ class Engine:
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
+    def idle_state(self) -> va.IdleState:
+        """Free device blocks and pinned CPU-tier blocks now, read from the release's structures."""
+        return va.idle_state(self.scheduler, self.offload)
+
+    def leaks(self) -> list[str]:
+        """What this engine still holds beyond its baseline, once it has settled (empty: no leak)."""
+        assert self.baseline is not None, "leaks() is for engines with the deployed pair of children"
+        self.settle()
+        return self.idle_state().leaks_against(self.baseline)
+
+    def kv_transfer_name(self) -> str:
+        return self.vllm_config.kv_transfer_config.engine_id
+
     def shutdown(self) -> None:
         """What EngineCore's shutdown does: the workers' connectors, then the scheduler's."""
         for r in self.ranks:
@@ -344,11 +358,18 @@ def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, tr
         tensor_parallel_size: int = 1,
         order: str | None = None,
         engine_id: str = "kvcompat-engine",
+        nixl_extra_config: dict[str, Any] | None = None,
     ) -> Engine:
         order = order or va.child_order()
+        pair = kv_transfer_config is None  # the deployed pair (not a test's own children)
         if kv_transfer_config is None:
             kv_transfer_config = va.multi_kv_transfer_config(
-                BLOCK, num_blocks, engine_id, order=order, world_size=tensor_parallel_size
+                BLOCK,
+                num_blocks,
+                engine_id,
+                order=order,
+                world_size=tensor_parallel_size,
+                nixl_extra_config=nixl_extra_config,
             )
         cfg = va.make_vllm_config(
             tiny_model_dir,
@@ -368,6 +389,8 @@ def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, tr
             va.report_offload_blocks(cfg, ranks)
         engine = Engine(va.make_scheduler(cfg, kvc), cfg, kvc, ranks, order)
         engine.baseline_free = engine.free_blocks()
+        if pair:  # a test's own children (an ExampleConnector, ...) have no CPU tier to account for
+            engine.baseline = engine.idle_state()
         engine.transfers = transport
         if tensor_parallel_size > 1:
             engine.aggregator = va.aggregator(engine.multi, tensor_parallel_size)
@@ -385,14 +408,32 @@ def engine(make_engine) -> Engine:
 
 
 @pytest.fixture
-def pd(make_engine) -> tuple[Engine, Engine]:
-    """A prefill engine P and a decode engine D on this host, each MultiConnector(Nixl + CPU offload)
-    with its own engine id; P serves the Nixl handshake as EngineCore sets it up (the workers' handshake
-    metadata, through MultiConnector, to the scheduler's MultiConnector, which starts Nixl's listener)."""
-    p = make_engine(engine_id=P_ENGINE)
-    with setup_owned_by(HANDSHAKE):
-        va.serve_nixl_handshake(p.multi, p.worker)
-    return p, make_engine(engine_id=D_ENGINE)
+def make_pd(make_engine):
+    """Build a prefill engine P and a decode engine D on this host, each MultiConnector(Nixl + CPU
+    offload) with its own engine id (keyword arguments go to both); P serves the Nixl handshake as
+    EngineCore sets it up (the workers' handshake metadata, through MultiConnector, to the scheduler's
+    MultiConnector, which starts Nixl's listener)."""
+
+    def _make(**kwargs: Any) -> tuple[Engine, Engine]:
+        p = make_engine(engine_id=P_ENGINE, **kwargs)
+        with setup_owned_by(HANDSHAKE):
+            va.serve_nixl_handshake(p.multi, p.worker)
+        return p, make_engine(engine_id=D_ENGINE, **kwargs)
+
+    return _make
+
+
+@pytest.fixture
+def pd(make_pd) -> tuple[Engine, Engine]:
+    """P and D in the cell's child order (see :func:`make_pd`)."""
+    return make_pd()
+
+
+def assert_no_leak(*engines: Engine) -> None:
+    """Every engine, once settled, is back at its baseline: as many free device blocks and as few
+    pinned CPU-tier blocks as when it was built (read from the release, not assumed)."""
+    found = [f"{e.kv_transfer_name()}: {'; '.join(leaks)}" for e in engines if (leaks := e.leaks())]
+    assert not found, "leak after the scenario: " + " | ".join(found)
 
 
 def stored_prefix(engine: Engine, prompt: list[int], req_id: str) -> None:
@@ -406,6 +447,19 @@ def stored_prefix(engine: Engine, prompt: list[int], req_id: str) -> None:
         engine.settle()
         assert engine.transfers.stores(), "the CPU-offload child stored nothing of the finished request"
         assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine settled"
+
+
+def cpu_tier_hit(engine: Engine, prompt: list[int], req_id: str) -> int:
+    """Tokens of ``prompt`` the CPU-offload child would serve now from its CPU tier: asked as the
+    scheduler asks (nothing computed locally), then the request is aborted so that nothing stays
+    reserved for it."""
+    from vllm.v1.request import RequestStatus
+
+    req = va.make_request(req_id, prompt, max_tokens=1)
+    engine.scheduler.add_request(req)
+    toks, _ = engine.offload.get_num_new_matched_tokens(req, 0)
+    engine.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+    return toks or 0
 
 
 def pd_read_is_byte_exact(p: Engine, d: Engine, rid: str, prompt: list[int]) -> str:

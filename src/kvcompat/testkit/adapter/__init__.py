@@ -19,6 +19,7 @@ One module per concern; tests use the names re-exported here
 * offload_script    OffloadingConnector's transfers, scripted (up to 0.18)
 * children          a child's answers, observed or scripted (the lifecycle contracts)
 * nixl              Nixl transfer params, device table, handshake
+* idle              what an idle engine holds (free device blocks, pinned CPU-tier blocks): leak checks
 
 Importing this package does not import vLLM.  Call :func:`select_cpu_platform`
 before anything imports a vLLM module that reads ``current_platform``.
@@ -67,6 +68,7 @@ from kvcompat.testkit.adapter.engine import (
     multi_child_connector,
 )
 from kvcompat.testkit.adapter.forward import Forward, expected_block, same_bytes
+from kvcompat.testkit.adapter.idle import IdleState, idle_state, pinned_cpu_blocks
 from kvcompat.testkit.adapter.kv_cache import (
     group_block_ids,
     kv_cache_block,
@@ -111,6 +113,7 @@ __all__ = [
     "BLOCK_SIZE",
     "EOS_TOKEN_ID",
     "HEAD_SIZE",
+    "IdleState",
     "KV_BASE",
     "LAYER_NAMES",
     "MAX_MODEL_LEN",
@@ -132,6 +135,7 @@ __all__ = [
     "has_offloading_connector",
     "has_simple_cpu_offload",
     "hma_enabled",
+    "idle_state",
     "kv_cache_block",
     "kv_connector_role",
     "kv_transfer_group",
@@ -158,6 +162,7 @@ __all__ = [
     "offload_transfers",
     "offload_worker_handler",
     "offload_worker_kind",
+    "pinned_cpu_blocks",
     "prepare_offload_worker",
     "remote_decode_params",
     "remote_prefill_params",

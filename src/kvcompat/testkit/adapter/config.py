@@ -129,12 +129,16 @@ def multi_kv_transfer_config(
     order: str | None = None,
     world_size: int = 1,
     bytes_per_block: int | None = None,
+    nixl_extra_config: dict[str, Any] | None = None,
 ) -> Any:
     """KVTransferConfig for MultiConnector with a Nixl and a CPU-offload child in ``order`` (the
-    cell's by default); children without engine_id."""
+    cell's by default); children without engine_id.  ``nixl_extra_config``: the Nixl child's own
+    extra config, as a user writes it (e.g. its ``kv_lease_duration``)."""
     from vllm.config import KVTransferConfig
 
-    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    nixl: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    if nixl_extra_config:
+        nixl["kv_connector_extra_config"] = dict(nixl_extra_config)
     children = [nixl, offload_child_config(block_size, num_gpu_blocks, world_size, bytes_per_block)]
     if child_index("nixl", order) == 1:
         children.reverse()

@@ -1,0 +1,71 @@
+"""What an idle engine holds: free device blocks and the CPU tier's pinned blocks, read from the release.
+
+A leak is a block that stays held once every request is done: a device block no request owns, or a
+CPU-tier block still pinned (a load or store whose completion never came, a cache hit reserved for a
+request that went away).  :func:`idle_state` reads both counts from the release's own structures, so a
+test compares an engine after a scenario with the same engine before it (its baseline), never with a
+number it assumed.  Reading only: nothing here frees, resets or nudges anything.
+
+The CPU tier is the CPU-offload child's scheduler side: SimpleCPUOffloadConnector (0.19 on) keeps a
+vLLM BlockPool of CPU blocks (``scheduler_manager.cpu_block_pool``), where a pin is a reference count;
+OffloadingConnector (before 0.19) keeps an offloading manager whose blocks carry ``ref_cnt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class IdleState:
+    """The counts that must come back after a scenario: device blocks free, CPU-tier blocks pinned."""
+
+    free_device_blocks: int
+    pinned_cpu_blocks: int
+
+    def leaks_against(self, baseline: IdleState) -> list[str]:
+        """What this state holds beyond ``baseline``, in words (empty when nothing leaked)."""
+        out = []
+        if self.free_device_blocks != baseline.free_device_blocks:
+            out.append(
+                f"{baseline.free_device_blocks - self.free_device_blocks} device blocks still held "
+                f"({self.free_device_blocks} free, {baseline.free_device_blocks} at idle)"
+            )
+        if self.pinned_cpu_blocks != baseline.pinned_cpu_blocks:
+            out.append(
+                f"{self.pinned_cpu_blocks - baseline.pinned_cpu_blocks} CPU-tier blocks still pinned "
+                f"({self.pinned_cpu_blocks} pinned, {baseline.pinned_cpu_blocks} at idle)"
+            )
+        return out
+
+
+def _pinned_in_block_pool(pool: Any) -> int:
+    """Blocks of a vLLM BlockPool that something references (its null block excluded: no ref count)."""
+    null = getattr(pool, "null_block", None)
+    return sum(1 for b in pool.blocks if b is not null and b.ref_cnt > 0)
+
+
+def pinned_cpu_blocks(offload_child: Any) -> int:
+    """The CPU tier's pinned blocks, read from the scheduler-role CPU-offload child."""
+    manager = getattr(offload_child, "scheduler_manager", None)  # SimpleCPUOffloadConnector
+    if manager is not None and hasattr(manager, "cpu_block_pool"):
+        return _pinned_in_block_pool(manager.cpu_block_pool)
+    sched = getattr(offload_child, "connector_scheduler", None)  # OffloadingConnector
+    blocks = getattr(getattr(sched, "manager", None), "blocks", None)
+    if blocks is not None:
+        return sum(1 for status in blocks.values() if getattr(status, "ref_cnt", 0) > 0)
+    if manager is None and sched is None and hasattr(offload_child, "scheduler_manager"):
+        return 0  # SimpleCPUOffload with prefix caching off builds no tier: nothing can be pinned
+    raise AttributeError(
+        f"kvcompat does not know where {type(offload_child).__name__} keeps its CPU blocks in this release; "
+        "teach kvcompat.testkit.adapter.idle.pinned_cpu_blocks"
+    )
+
+
+def idle_state(scheduler: Any, offload_child: Any) -> IdleState:
+    """The engine's counts now: the scheduler's free device blocks and the CPU tier's pinned blocks."""
+    return IdleState(
+        free_device_blocks=scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+        pinned_cpu_blocks=pinned_cpu_blocks(offload_child),
+    )

@@ -1,0 +1,120 @@
+"""The CPU-offload child's own code under MultiConnector: its CPU tier loads, stores and resets.
+
+These contracts are about SimpleCPUOffloadConnector's manager and worker (OffloadingConnector's before
+0.19) and the Scheduler's paths for asynchronous loads: a regression in ``simple_kv_offload/`` or in
+``simple_cpu_offload_connector.py`` turns one of them red.  The child's blocks move through the CPU
+stand-in of its CUDA transport (kvcompat.testkit.cuda_transport), which the test can hold so that a
+transfer stays in flight.  Every scenario ends with the engine back at its idle baseline.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit import not_applicable, setup_owned_by
+from kvcompat.testkit.adapter import children as ch
+
+from conftest import BLOCK, STORED, assert_no_leak, cpu_tier_hit, stored_prefix, token_ids, wait_until
+
+
+def _can_reset_connectors(engine) -> None:
+    if not hasattr(ch.base_class(), "reset_cache"):
+        not_applicable("the release's connector API has no reset_cache")
+    if "reset_connector" not in inspect.signature(engine.scheduler.reset_prefix_cache).parameters:
+        not_applicable("the scheduler cannot reset connectors' caches in this release")
+
+
+# ---------------------------------------------------------------------------
+# 1. loads
+# ---------------------------------------------------------------------------
+def test_cpu_tier_load_is_asynchronous_and_unpins_when_it_completes(engine, transport):
+    """A prompt served from the CPU tier is loaded asynchronously: the request waits in
+    WAITING_FOR_REMOTE_KVS, computing nothing, with the CPU blocks it reads pinned, while the copy is
+    in flight; when the copy completes the request runs with the loaded tokens counted as computed,
+    finishes, and the CPU blocks are unpinned (the engine is back at its idle baseline)."""
+    from vllm.v1.request import RequestStatus
+
+    prompt = token_ids(3 * BLOCK + 5, start=70)
+    stored_prefix(engine, prompt, "tier-src")
+    transport.hold()
+    launched = transport.launched()
+    req = va.make_request("tier-load", prompt, max_tokens=2)
+    engine.scheduler.add_request(req)
+    so = engine.step()
+    with setup_owned_by(STORED):
+        assert wait_until(lambda: transport.launched() > launched), "the CPU-offload child never started the load"
+    for _ in range(3):
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"{req.status} while its CPU load is in flight"
+        assert so.num_scheduled_tokens.get("tier-load", 0) == 0, "the request computed tokens during its load"
+        assert engine.idle_state().pinned_cpu_blocks > engine.baseline.pinned_cpu_blocks, (
+            "the CPU blocks being read are not pinned while the load is in flight"
+        )
+        so = engine.step()
+    transport.release()
+    engine.run(["tier-load"])
+    assert req.num_computed_tokens >= 3 * BLOCK, "the loaded tokens were not counted as computed"
+    assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------
+# 2. stores: what a request filled, prompt and decode alike
+# ---------------------------------------------------------------------------
+def test_blocks_filled_during_decode_are_stored_too(engine, transport):
+    """A request whose generated tokens complete another block has that block stored in the CPU tier
+    too: a follow-up request whose prompt is the first request's prompt and output (a chat's next
+    turn) is served from the CPU tier past the prompt's own full blocks."""
+    prompt = token_ids(2 * BLOCK + BLOCK - 4, start=90)
+    engine.scheduler.add_request(va.make_request("turn-1", prompt, max_tokens=8))
+    engine.run(["turn-1"])
+    engine.settle()
+    with setup_owned_by(STORED):
+        assert transport.stores(), "the CPU-offload child stored nothing of the finished request"
+    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine settled"
+    output = [t for o in engine.outputs["turn-1"] for t in o.new_token_ids]
+    turn_2 = prompt + output
+    assert len(turn_2) >= 3 * BLOCK, f"the first request produced {len(output)} tokens"
+    served = cpu_tier_hit(engine, turn_2 + token_ids(5, start=7), "turn-2")
+    assert served >= 3 * BLOCK, (
+        f"the CPU tier serves {served} tokens of the next turn: the block completed during decode "
+        f"(tokens {2 * BLOCK}..{3 * BLOCK - 1}) was not stored"
+    )
+    assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------
+# 3. reset_cache
+# ---------------------------------------------------------------------------
+def test_reset_cache_on_an_idle_engine_answers_and_reaches_both_children(engine, monkeypatch):
+    """Resetting the prefix cache together with the connectors' caches on an idle engine (nothing
+    stored, nothing in flight) does not raise, reaches both children once, and succeeds.  (Needs no
+    stored prefix: a release whose reset raises is red here even if its stores are broken.)"""
+    _can_reset_connectors(engine)
+    calls = [ch.spy(monkeypatch, c, "reset_cache") for c in engine.multi._connectors]
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True) is True
+    assert [len(c) for c in calls] == [1, 1], f"reset_cache calls per child: {[len(c) for c in calls]}"
+    assert_no_leak(engine)
+
+
+def test_reset_cache_refuses_while_a_store_is_in_flight_then_clears_the_cpu_tier(engine, transport):
+    """While a store to the CPU tier is in flight, resetting with the connectors' caches answers False
+    (the child cannot drop blocks a copy is writing) and raises nothing; once the copy has completed
+    and the engine settled, the reset succeeds, the CPU tier serves nothing of the old prompt, and no
+    block stays pinned."""
+    _can_reset_connectors(engine)
+    prompt = token_ids(3 * BLOCK + 5, start=110)
+    transport.hold()
+    engine.scheduler.add_request(va.make_request("reset-flight", prompt, max_tokens=2))
+    engine.run(["reset-flight"])
+    engine.step()
+    with setup_owned_by(STORED):
+        assert wait_until(lambda: transport.launched() > 0), "the CPU-offload child never started a store"
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True) is False, (
+        "reset_cache succeeded while a store into the CPU tier was in flight"
+    )
+    transport.release()
+    engine.settle()
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True) is True, "reset failed on a settled engine"
+    served = cpu_tier_hit(engine, prompt, "reset-after")
+    assert served == 0, f"the CPU tier still serves {served} tokens of the prompt after a successful reset"
+    assert_no_leak(engine)

@@ -1,0 +1,264 @@
+"""NixlConnector's own halves under MultiConnector: what the decode side asks for and reads, when the
+prefill side may free, what an abort does, and that nothing leaks.
+
+These contracts are about Nixl's scheduler and worker code and the Scheduler's connector paths (the
+MultiConnector contracts are in test_multi_*.py): a regression in ``nixl/`` (or ``nixl_connector.py``)
+or in the Scheduler's remote-KV handling turns one of them red.  Two engines P and D, each the
+release's Scheduler with MultiConnector(Nixl + CPU offload) and its worker half, move real bytes over
+the fake NIXL transport (kvcompat.testkit.fake_nixl), whose transfers complete when polled.  Every
+scenario ends with both engines back at their idle baseline (:func:`conftest.assert_no_leak`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+
+import pytest
+
+from kvcompat.outcomes import CHILD_ORDERS
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit import not_applicable
+
+from conftest import BLOCK, assert_no_leak, patient_steps, pd_read_is_byte_exact, token_ids
+
+NEVER = 10**9  # polls before a fake NIXL read completes: it stays in flight until the test lowers it
+MARK = -7.0  # what P's copy of a block is overwritten with when D must not read it
+
+
+def _status(req):
+    from vllm.v1.request import RequestStatus
+
+    return req.status, RequestStatus
+
+
+def _step_both(p, d, until, max_steps: int = 400) -> bool:
+    """Step D then P until ``until()`` holds (reads and notifications run over loopback threads)."""
+    for _ in patient_steps(max_steps):
+        if until():
+            return True
+        d.step()
+        p.step()
+    return until()
+
+
+def _answers(monkeypatch, obj, name: str) -> list:
+    """Record what ``obj.name`` returns (the real method answers)."""
+    real, seen = getattr(obj, name), []
+
+    def recorded(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(obj, name, recorded)
+    return seen
+
+
+def _reads(nixl_agent) -> int:
+    """Transfers the fake NIXL agents were asked to make (in a P/D pair, only D reads)."""
+    return sum(len(a.calls_named("make_prepped_xfer")) for a in nixl_agent.instances)
+
+
+# ---------------------------------------------------------------------------
+# 1. the decode side: an asynchronous load of exactly what P computed
+# ---------------------------------------------------------------------------
+def test_decode_waits_for_the_remote_kv_and_asks_for_exactly_the_prefilled_tokens(pd, nixl_agent, monkeypatch):
+    """D's Nixl child asks for every prompt token P computed, as an asynchronous load: the request
+    waits in WAITING_FOR_REMOTE_KVS, computing nothing, for as long as the NIXL read is in flight, and
+    only when it completes does D schedule the request, computing at most the one token it needs for
+    logits; P frees its blocks after D's read; neither engine leaks."""
+    p, d = pd
+    prompt = token_ids(3 * BLOCK + 5, start=200)
+    params = p.prefill("async-0", prompt)
+    nixl_answers = _answers(monkeypatch, d.nixl, "get_num_new_matched_tokens")
+    nixl_agent.polls_until_done = NEVER
+    req = va.make_request("async-0", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    waiting = None
+    for _ in range(6):
+        so = d.step()
+        p.step()
+        status, RequestStatus = _status(req)
+        assert status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"D's request is {status} while its read is in flight"
+        assert so.num_scheduled_tokens.get("async-0", 0) == 0, "D computed prompt tokens while the read was in flight"
+        waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert nixl_answers and nixl_answers[0] == (len(prompt), True), (
+        f"D's Nixl child answered {nixl_answers[:1]} for a {len(prompt)}-token prompt P computed; "
+        f"want ({len(prompt)}, True): every prompt token, loaded asynchronously"
+    )
+    nixl_agent.polls_until_done = 1
+    assert _step_both(p, d, lambda: req.status != waiting), "D's read never completed"
+    scheduled = 0
+    for _ in range(3):
+        so = d.step()
+        scheduled += so.num_scheduled_tokens.get("async-0", 0)
+        if scheduled:
+            break
+    assert scheduled <= 1, f"D computed {scheduled} prompt tokens itself after loading all {len(prompt)} over NIXL"
+    d.run(["async-0"])
+    assert _step_both(p, d, lambda: "async-0" not in p.scheduler.requests), "P kept the blocks after D had read them"
+    assert_no_leak(p, d)
+
+
+def test_decode_with_a_local_prefix_hit_reads_only_the_uncached_suffix(pd, nixl_agent, monkeypatch):
+    """When D already holds the first blocks of the prompt in its own prefix cache, its Nixl child asks
+    only for the rest (prompt length minus the local hit) and reads P's blocks for the suffix into D's
+    new blocks: checked by content, with P's copy of the prefix overwritten, so D's prefix blocks must
+    stay D's own and D's suffix blocks must hold exactly P's suffix KV."""
+    p, d = pd
+    prompt = token_ids(4 * BLOCK + 5, start=60)
+    local = 2 * BLOCK
+    d.scheduler.add_request(va.make_request("local-prefix", prompt[: local + 3], max_tokens=1))
+    d.run(["local-prefix"])
+    d.settle()
+    params = p.prefill("suffix-0", prompt)
+    p_blocks = va.group_block_ids(params["remote_block_ids"])
+    for rank in p.ranks:  # P's copy of the prefix: a read of it would bring MARK into D
+        for cache in rank.kv_caches.values():
+            for b in p_blocks[: local // BLOCK]:
+                va.kv_cache_block(cache, b).fill_(MARK)
+    nixl_answers = _answers(monkeypatch, d.nixl, "get_num_new_matched_tokens")
+    req = va.make_request("suffix-0", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    d.step()
+    _, RequestStatus = _status(req)
+    assert _step_both(p, d, lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS), "D's read never completed"
+    assert (len(prompt) - local, True) in nixl_answers, (
+        f"D's Nixl child answered {nixl_answers} with {local} prompt tokens cached locally; "
+        f"want ({len(prompt) - local}, True): only the uncached suffix"
+    )
+    d_blocks = va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids("suffix-0"))
+    for rank in d.ranks:
+        for layer, cache in rank.kv_caches.items():
+            for j in range(len(prompt) // BLOCK):
+                want = va.expected_block(cache, layer, prompt[: (j + 1) * BLOCK])
+                where = "D's own cached prefix" if j < local // BLOCK else f"P's block {p_blocks[j]}"
+                assert va.same_bytes(va.kv_cache_block(cache, d_blocks[j]), want), (
+                    f"D's block {d_blocks[j]} (prompt block {j}, {layer}) does not hold the KV of {where}"
+                )
+    d.run(["suffix-0"])
+    assert _step_both(p, d, lambda: "suffix-0" not in p.scheduler.requests), "P kept the blocks after D had read them"
+    assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 2. the prefill side: hold until read, or until the lease expires
+# ---------------------------------------------------------------------------
+def _lease_knob() -> str | None:
+    """How this release bounds the time P holds blocks nobody reads: the Nixl child's
+    ``kv_lease_duration`` (extra config) or the VLLM_NIXL_ABORT_REQUEST_TIMEOUT variable; None when
+    its Nixl code has neither (explicit probe of the release's source)."""
+    source = "".join(
+        inspect.getsource(importlib.import_module(m))
+        for m in (va.nixl_module(), va.nixl_wrapper_target()[0])
+        if importlib.util.find_spec(m) is not None
+    )
+    for knob in ("kv_lease_duration", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT"):
+        if knob in source:
+            return knob
+    return None
+
+
+def test_prefill_frees_the_blocks_when_the_lease_expires(make_engine, monkeypatch):
+    """A prefill-side request whose decode side never reads keeps its blocks for the lease the user
+    configured, then the Nixl child's worker releases them: the request is freed and the engine is
+    back at its idle baseline, without any notification from a decode side."""
+    knob = _lease_knob()
+    if knob is None:
+        not_applicable("this release's Nixl code has no lease or abort timeout for unread blocks")
+    lease_s = 2
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
+    engine = make_engine(nixl_extra_config={"kv_lease_duration": lease_s})
+    prompt = token_ids(2 * BLOCK + 3)
+    engine.scheduler.add_request(
+        va.make_request("lease-0", prompt, max_tokens=1, kv_transfer_params=va.remote_decode_params())
+    )
+    engine.run(["lease-0"])
+    finished = time.monotonic()
+    for _ in range(3):
+        engine.step()
+    assert "lease-0" in engine.scheduler.requests, "P freed the blocks at once, before any decode side could read"
+    deadline = finished + lease_s + 20
+    while "lease-0" in engine.scheduler.requests and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.05)
+    held_for = time.monotonic() - finished
+    assert "lease-0" not in engine.scheduler.requests, (
+        f"P still holds the unread blocks {held_for:.0f}s after a {lease_s}s lease ({knob})"
+    )
+    assert held_for >= lease_s * 0.9, f"P freed the blocks after {held_for:.1f}s, before its {lease_s}s lease"
+    assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------
+# 3. aborts on the decode side release both sides
+# ---------------------------------------------------------------------------
+def test_decode_abort_before_scheduling_releases_the_prefill_blocks(pd):
+    """A request aborted on D before D ever scheduled it (a client gone, the serving layer rejecting
+    it) still tells P, through D's Nixl child, that nobody will read its blocks: P frees them, D
+    holds nothing, and neither engine leaks."""
+    from vllm.v1.request import RequestStatus
+
+    p, d = pd
+    prompt = token_ids(3 * BLOCK + 5, start=300)
+    params = p.prefill("abort-early", prompt)
+    d.scheduler.add_request(va.make_request("abort-early", prompt, max_tokens=2, kv_transfer_params=params))
+    d.scheduler.finish_requests("abort-early", RequestStatus.FINISHED_ABORTED)
+    assert _step_both(p, d, lambda: "abort-early" not in p.scheduler.requests), (
+        "P still holds the blocks of a request D aborted before scheduling it: stranded until the lease ends"
+    )
+    assert "abort-early" not in d.scheduler.requests, "D kept the aborted request"
+    assert_no_leak(p, d)
+
+
+def test_decode_abort_while_waiting_for_remote_kv_releases_both_sides(pd, nixl_agent):
+    """A request aborted on D while its NIXL read is in flight (WAITING_FOR_REMOTE_KVS) finishes
+    without a hang: once the read is over, D returns the request's blocks, P frees its own, and
+    neither engine leaks."""
+    from vllm.v1.request import RequestStatus
+
+    p, d = pd
+    prompt = token_ids(3 * BLOCK + 5, start=340)
+    params = p.prefill("abort-waiting", prompt)
+    nixl_agent.polls_until_done = NEVER
+    req = va.make_request("abort-waiting", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    assert _step_both(p, d, lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, req.status
+    d.scheduler.finish_requests("abort-waiting", RequestStatus.FINISHED_ABORTED)
+    nixl_agent.polls_until_done = 1
+    assert _step_both(p, d, lambda: "abort-waiting" not in p.scheduler.requests), (
+        "P still holds the blocks of a request D aborted while reading them"
+    )
+    assert _step_both(p, d, lambda: "abort-waiting" not in d.scheduler.requests), (
+        "D never let go of the aborted request"
+    )
+    assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 4. no leak after a P/D round trip, in both child orders
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("order", CHILD_ORDERS)
+def test_pd_round_trip_leaves_both_engines_at_their_idle_baseline(make_pd, order):
+    """After a P/D round trip (P prefills and stores its blocks in its CPU tier, D reads them over
+    NIXL and stores its own), both engines settle back to their idle baseline: every device block
+    free and no CPU-tier block pinned, whichever child comes first."""
+    p, d = make_pd(order=order)
+    print(pd_read_is_byte_exact(p, d, f"leak-{order}", token_ids(3 * BLOCK + 5, start=400)))
+    assert_no_leak(p, d)
+
+
+def test_no_leak_check_sees_a_pinned_cpu_block(engine):
+    """The leak check itself: a CPU-tier block pinned behind the engine's back is reported."""
+    pool = getattr(getattr(engine.offload, "scheduler_manager", None), "cpu_block_pool", None)
+    if pool is None:
+        not_applicable("the CPU-offload child of this release keeps no BlockPool of CPU blocks")
+    (block,) = pool.get_new_blocks(1)
+    try:
+        leaks = engine.leaks()
+        assert leaks and "CPU-tier" in leaks[0], f"a pinned CPU block went unnoticed: {leaks}"
+    finally:
+        pool.free_blocks([block])
+    assert not engine.leaks()

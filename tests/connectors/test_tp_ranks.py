@@ -1,0 +1,221 @@
+"""Two TP ranks: a transfer is over only when every rank says so, and any rank's failure counts.
+
+With tensor parallelism every rank's worker-role MultiConnector reports its own completions; the
+release's KVOutputAggregator (kv_connector/utils.py) combines them for the Scheduler.  These contracts
+fail when the aggregator, or the Scheduler's handling of what it hands on, trusts one rank: a send or
+a load declared done while another rank is still moving bytes frees or uses blocks under it; a failed
+block that only one rank saw is lost.  One rank is made *slow* by holding back what its worker reports
+(and handing it on later, as a slow rank would): the rank's own answers, never a combined one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit import not_applicable, setup_owned_by
+from kvcompat.testkit.adapter import children as ch
+
+from conftest import (
+    BLOCK,
+    STORED,
+    assert_no_leak,
+    cpu_tier_hit,
+    patient_steps,
+    stored_prefix,
+    token_ids,
+    wait_until,
+)
+
+
+class SlowRank:
+    """Holds back the completions one rank's worker-role MultiConnector reports, until released; then
+    hands them on with that rank's next report (nothing dropped, nothing invented)."""
+
+    def __init__(self, monkeypatch, connector) -> None:
+        self.hook = ch.completion_hook()
+        self.real = getattr(connector, self.hook)
+        self.held_sending: set[str] = set()
+        self.held_recving: set[str] = set()
+        self.holding = True
+        monkeypatch.setattr(connector, self.hook, self._answer)
+
+    def _answer(self, *args):
+        answer = self.real(*args)
+        if self.hook == "get_transfer_results":
+            sending, recving = set(answer.finished_sending or ()), set(answer.finished_recving or ())
+        else:
+            sending, recving = (set(x or ()) for x in (answer or (None, None)))
+        if self.holding:
+            self.held_sending |= sending
+            self.held_recving |= recving
+            sending, recving = set(), set()
+        else:
+            sending |= self.held_sending
+            recving |= self.held_recving
+            self.held_sending, self.held_recving = set(), set()
+        if self.hook == "get_transfer_results":
+            return dataclasses.replace(answer, finished_sending=sending, finished_recving=recving)
+        return sending or None, recving or None
+
+
+class SlowWorkerMeta:
+    """Holds back one rank's worker metadata (what its CPU-offload worker reports done: its stores)
+    until released; then hands each held report on, one a step, in the order the rank made them."""
+
+    def __init__(self, monkeypatch, connector) -> None:
+        self.real = connector.build_connector_worker_meta
+        self.held: list = []
+        self.holding = True
+        monkeypatch.setattr(connector, "build_connector_worker_meta", self._answer)
+
+    def _answer(self, *args, **kwargs):
+        meta = self.real(*args, **kwargs)
+        if meta is not None:
+            self.held.append(meta)
+        if self.holding or not self.held:
+            return None
+        return self.held.pop(0)
+
+
+def _tp2(make_engine):
+    engine = make_engine(tensor_parallel_size=2)
+    assert engine.aggregator is not None
+    return engine
+
+
+def test_a_send_finishes_only_when_both_ranks_have_been_read(make_engine, nixl_agent):
+    """A prefill-side request on two ranks keeps its blocks while only rank 0's NIXL agent has heard
+    that the decode side read its half; when rank 1's hears too, the send finishes, the blocks are
+    freed, and the engine is back at its idle baseline."""
+    engine = _tp2(make_engine)
+    engine.scheduler.add_request(
+        va.make_request("tp-send", token_ids(2 * BLOCK + 3), max_tokens=1, kv_transfer_params=va.remote_decode_params())
+    )
+    engine.run(["tp-send"])
+    agents = list(nixl_agent.instances)
+    assert len(agents) == 2, f"{len(agents)} NIXL agents for two ranks"
+    agents[0].inject_notif("decode-agent-0", b"tp-send:1")
+    for _ in range(6):  # a notification is read in the step after it arrives
+        engine.step()
+    assert "tp-send" in engine.scheduler.requests, "the send finished when only rank 0's half had been read"
+    agents[1].inject_notif("decode-agent-1", b"tp-send:1")
+    for _ in patient_steps(20):
+        if "tp-send" not in engine.scheduler.requests:
+            break
+        engine.step()
+    assert "tp-send" not in engine.scheduler.requests, "the send never finished once both ranks had been read"
+    assert_no_leak(engine)
+
+
+def test_a_load_finishes_only_when_both_ranks_have_loaded(make_engine, transport, monkeypatch):
+    """A prompt loaded from the CPU tier on two ranks stays in WAITING_FOR_REMOTE_KVS while rank 1
+    has not reported its load done, although rank 0 has; once rank 1 reports, the request runs,
+    finishes, and the engine is back at its idle baseline."""
+    from vllm.v1.request import RequestStatus
+
+    engine = _tp2(make_engine)
+    prompt = token_ids(3 * BLOCK + 5, start=130)
+    stored_prefix(engine, prompt, "tp-src")
+    slow = SlowRank(monkeypatch, engine.ranks[1].connector)
+    req = va.make_request("tp-load", prompt, max_tokens=2)
+    engine.scheduler.add_request(req)
+    for _ in patient_steps(20):
+        engine.step()
+        if "tp-load" in slow.held_recving:
+            break
+    with setup_owned_by(STORED):
+        assert "tp-load" in slow.held_recving, "rank 1 never finished loading the stored prompt"
+    for _ in range(3):
+        engine.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, (
+        f"the request is {req.status}: its load counted as done while rank 1 was still loading"
+    )
+    slow.holding = False
+    engine.run(["tp-load"])
+    assert req.num_computed_tokens >= 3 * BLOCK, "the loaded tokens were not counted as computed"
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_block_failed_on_either_rank_is_recomputed(make_engine, monkeypatch, failing_rank):
+    """A CPU-tier load on two ranks where one rank's CPU-offload worker names a block it failed to
+    load: the scheduler learns it whichever rank it was, does not count that block's tokens as
+    computed, and recomputes (or fails the request, as the release's policy says); no block leaks."""
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    if "invalid_block_ids" not in va.capabilities._field_names(KVConnectorOutput):
+        not_applicable("this release's KVConnectorOutput has no invalid_block_ids (no load-failure recovery)")
+    engine = _tp2(make_engine)
+    prompt = token_ids(3 * BLOCK + 5, start=160)
+    stored_prefix(engine, prompt, "tp-fail-src")
+    child = engine.ranks[failing_rank].connector._connectors[engine.offload_index]
+    hook, real_hook = ch.completion_hook(), getattr(child, ch.completion_hook())
+    failed: set[int] = set()
+    errors: list[set[int]] = []
+
+    def completions(*args):
+        answer = real_hook(*args)
+        recving = answer.finished_recving if hook == "get_transfer_results" else answer[1]
+        if "tp-fail" in set(recving or ()) and not failed:
+            failed.add(va.group_block_ids(engine.scheduler.kv_cache_manager.get_block_ids("tp-fail"))[1])
+            errors.append(set(failed))
+        return answer
+
+    ch.spy(monkeypatch, child, hook, completions)
+    ch.spy(monkeypatch, child, "get_block_ids_with_load_errors", lambda: errors.pop() if errors else set())
+    req = va.make_request("tp-fail", prompt, max_tokens=2)
+    engine.scheduler.add_request(req)
+    engine.step()
+    assert wait_until(lambda: engine.transfers.loads()), "the CPU-offload child did not take the load"
+    for _ in patient_steps(20):
+        if failed:
+            break
+        engine.step()
+    assert failed, f"rank {failing_rank}'s load never completed"
+    for _ in range(3):
+        if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            break
+        engine.step()
+    assert req.num_computed_tokens <= BLOCK or req.is_finished(), (
+        f"{req.num_computed_tokens} tokens counted as computed although rank {failing_rank} failed block {failed}"
+    )
+    for _ in range(6):
+        if req.is_finished():
+            break
+        engine.step()
+    assert req.is_finished(), "the request whose block failed never finished"
+    assert "tp-fail" not in engine.scheduler.requests
+    assert_no_leak(engine)
+
+
+def test_a_store_counts_only_when_both_ranks_have_stored(make_engine, transport, monkeypatch):
+    """A finished request's blocks stored to the CPU tier on two ranks: while rank 1 has not reported
+    its store done (rank 0 has), the CPU tier does not serve the prompt and the device blocks stay
+    pinned; once rank 1 reports, the CPU tier serves every full block and nothing leaks."""
+    if not hasattr(ch.base_class(), "build_connector_worker_meta"):
+        not_applicable("this release's workers report no metadata (store completions per rank)")
+    engine = _tp2(make_engine)
+    slow = SlowWorkerMeta(monkeypatch, engine.ranks[1].connector)
+    prompt = token_ids(3 * BLOCK + 5, start=180)
+    engine.scheduler.add_request(va.make_request("tp-store", prompt, max_tokens=2))
+    engine.run(["tp-store"])
+    for _ in patient_steps(20):
+        if slow.held:
+            break
+        engine.step()
+    with setup_owned_by(STORED):
+        assert slow.held, "rank 1 never reported a store done"
+    for _ in range(4):
+        engine.step()
+    served = cpu_tier_hit(engine, prompt, "tp-store-early")
+    assert served == 0, f"the CPU tier serves {served} tokens whose store rank 1 has not finished"
+    assert engine.free_blocks() < engine.baseline_free, "device blocks freed before rank 1's store finished"
+    slow.holding = False
+    engine.settle()
+    served = cpu_tier_hit(engine, prompt, "tp-store-late")
+    assert served == 3 * BLOCK, f"the CPU tier serves {served} tokens once both ranks stored, not {3 * BLOCK}"
+    assert_no_leak(engine)
