@@ -1,0 +1,163 @@
+"""Regressions planted by hand in the files the pair runs besides multi_connector.py, one a file or more,
+each checked to turn a named contract red (issue 33: "a regression planted by hand in each of those files").
+
+Each entry: the file (under site-packages), an exact snippet of the release's code, what replaces it, and
+the contracts expected to go red.  For each, the script swaps the file in the cell's venv (a new file
+``os.replace``-d over the path: uv hardlinks installed files to its cache, so the file is never written
+through), runs the contracts' tests with the in-cell suite, restores the file, and prints one line:
+
+    python3 docs/evidence/planted_regressions.py .kvcompat/venvs/<cell>   [--only NAME]
+
+Exit status 1 if a planted regression left every expected contract green (the suite missed it).
+
+Tried and dropped as equivalent on 0.34.0: removing SimpleCPUOffloadScheduler.reset()'s
+``if self._abandoned_store_event_to_blocks or self._abandoned_reqs_to_load: return False``
+(simple_kv_offload/manager.py:1529-1530) still refuses while a transfer is in flight, because the
+blocks of an in-flight store or load are pinned and ``cpu_block_pool.reset_prefix_cache()``
+(manager.py:1535) refuses for that reason too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+KV = "vllm/distributed/kv_transfer/kv_connector"
+NIXL = f"{KV}/v1/nixl"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plant:
+    name: str
+    file: str
+    target: str
+    replacement: str
+    red: tuple[str, ...]  # test node ids (relative to tests/connectors) that must fail
+
+
+PLANTS = (
+    Plant(
+        "nixl-abort-before-scheduling-strands-prefill",
+        f"{NIXL}/pull_scheduler.py",
+        "            self._reqs_need_recv[request.request_id] = (request, [], (), False)\n",
+        "",
+        ("test_nixl_child.py::test_decode_abort_before_scheduling_releases_the_prefill_blocks",),
+    ),
+    Plant(
+        "nixl-decode-ignores-local-prefix-hit",
+        f"{NIXL}/pull_scheduler.py",
+        "            count = actual - num_computed_tokens\n",
+        "            count = actual\n",
+        ("test_nixl_child.py::test_decode_with_a_local_prefix_hit_reads_only_the_uncached_suffix",),
+    ),
+    Plant(
+        "nixl-worker-lease-never-expires",
+        f"{NIXL}/base_worker.py",
+        "req_id for req_id, expires in self._reqs_to_send.items() if now >= expires",
+        "req_id for req_id, expires in self._reqs_to_send.items() if now >= expires + 3600",
+        ("test_nixl_child.py::test_prefill_frees_the_blocks_when_the_lease_expires",),
+    ),
+    Plant(
+        "offload-store-done-after-one-rank",
+        "vllm/v1/simple_kv_offload/manager.py",
+        "            if total >= self._expected_worker_count:\n",
+        "            if total >= 1:\n",
+        ("test_tp_ranks.py::test_a_store_counts_only_when_both_ranks_have_stored",),
+    ),
+    Plant(
+        "offload-load-keeps-cpu-blocks-pinned",
+        "vllm/v1/simple_kv_offload/manager.py",
+        "            # Free CPU touch refs\n            self.cpu_block_pool.free_blocks(\n",
+        "            # Free CPU touch refs\n            (lambda blocks: None)(\n",
+        ("test_cpu_tier.py::test_cpu_tier_load_is_asynchronous_and_unpins_when_it_completes",),
+    ),
+    Plant(
+        "offload-connector-reset-raises",
+        f"{KV}/v1/simple_cpu_offload_connector.py",
+        "            return self.scheduler_manager.reset()\n",
+        "            return self.scheduler_manager.reset_all()\n",
+        ("test_cpu_tier.py::test_reset_cache_on_an_idle_engine_answers_and_reaches_both_children",),
+    ),
+    Plant(
+        "scheduler-aborted-load-blocks-not-freed",
+        "vllm/v1/core/sched/scheduler.py",
+        "                self._aborted_kv_loads.discard(req_id)\n                self._free_blocks(self.requests[req_id])\n",
+        "                self._aborted_kv_loads.discard(req_id)\n",
+        ("test_nixl_child.py::test_decode_abort_while_waiting_for_remote_kv_releases_both_sides",),
+    ),
+    Plant(
+        "scheduler-finished-sending-not-freed",
+        "vllm/v1/core/sched/scheduler.py",
+        '"Finished sending KV transfer for request %s", req_id)\n'
+        "            assert req_id in self.requests\n            self._free_blocks(self.requests[req_id])\n",
+        '"Finished sending KV transfer for request %s", req_id)\n            assert req_id in self.requests\n',
+        ("test_nixl_child.py::test_decode_waits_for_the_remote_kv_and_asks_for_exactly_the_prefilled_tokens",),
+    ),
+    Plant(
+        "aggregator-finishes-on-the-first-rank",
+        f"{KV}/utils.py",
+        "                if remaining_count_dict[req_id] == 0:\n",
+        "                if remaining_count_dict[req_id] < self._expected_finished_count:\n",
+        (
+            "test_tp_ranks.py::test_a_send_finishes_only_when_both_ranks_have_been_read",
+            "test_tp_ranks.py::test_a_load_finishes_only_when_both_ranks_have_loaded",
+        ),
+    ),
+)
+
+
+def _swap(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    shutil.rmtree(path.parent / "__pycache__", ignore_errors=True)
+
+
+def run(venv: Path, plant: Plant, repo: Path) -> tuple[bool, str]:
+    site = next(venv.glob("lib/python3*/site-packages"))
+    path = site / plant.file
+    pristine = path.read_text()
+    hits = pristine.count(plant.target)
+    if hits != 1:
+        return False, f"target found {hits} times in {plant.file} (this release's code differs): not planted"
+    try:
+        _swap(path, pristine.replace(plant.target, plant.replacement))
+        tests = [f"tests/connectors/{t}" for t in plant.red]
+        cmd = [str(venv / "bin/python"), "-m", "pytest", *tests, "-p", "no:cacheprovider", "-q", "--tb=line"]
+        env = dict(os.environ, PYTHONPATH=str(repo / "src"))
+        out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600).stdout
+        failed = [t for t in plant.red if f"FAILED tests/connectors/{t}" in out or f"ERROR tests/connectors/{t}" in out]
+        summary = out.strip().splitlines()[-1] if out.strip() else "no output"
+        return bool(failed), f"red: {', '.join(t.split('::')[1] for t in failed) or 'none'} ({summary})"
+    finally:
+        _swap(path, pristine)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("venv", type=Path, help="a cell's venv, e.g. .kvcompat/venvs/<cell>")
+    ap.add_argument("--only", action="append", default=[], help="a plant's name (repeatable)")
+    args = ap.parse_args()
+    if not (args.venv / "bin/python").exists():
+        print(f"error: {args.venv} is not a cell venv (no bin/python); run the cell first", file=sys.stderr)
+        return 2
+    repo = Path(__file__).resolve().parents[2]
+    missed = 0
+    for plant in PLANTS:
+        if args.only and plant.name not in args.only:
+            continue
+        ok, line = run(args.venv, plant, repo)
+        missed += not ok
+        print(f"{'KILLED ' if ok else 'MISSED '} {plant.name} [{plant.file.rsplit('/', 1)[-1]}]: {line}", flush=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
