@@ -160,9 +160,10 @@ def find_result(root: Path, name: str) -> CellResult:
 def show(result: CellResult) -> str:
     """One cell's verdict, its tests and the tail of its log, as a person reads them in a terminal."""
     from kvcompat.outcomes import TestOutcome
+    from kvcompat.report.model import suite_tallies
     from kvcompat.results import headline
 
-    counts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in result.counts().items() if n)
+    counts = suite_tallies(result)  # ours and the upstream column each on its own
     env = result.environment
     where = {"as-released": f"as released (index up to {env.get('exclude_newer')})", "today": "today's index"}
     lines = [

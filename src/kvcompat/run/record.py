@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvcompat.outcomes import Outcome
+from kvcompat.report.model import suite_tallies
 from kvcompat.results import CellResult, write_result
 from kvcompat.run.context import CellContext, now
 
@@ -21,8 +22,8 @@ def finish(ctx: CellContext, outcome: Outcome, detail: str, **kw) -> CellResult:
         **kw,
     )
     write_result(ctx.opts.results_dir, result)
-    counts = result.counts()
-    summary = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items() if n)
+    # each suite's counts on their own (ours, then the upstream column), never one sum of both
+    summary = suite_tallies(result)
     ctx.say(
         f"{outcome.label.upper()}: {detail}"
         + (f" ({summary})" if summary else "")
