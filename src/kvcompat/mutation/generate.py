@@ -71,10 +71,12 @@ class GeneratedMutant:
     replacement: str
     equivalent: str | None = None
     same_as: str | None = None  # another mutant that makes the same program for this pair: its verdict is this one's
+    target: str = ""  # the file, inside site-packages ("": multi_connector.py, kvcompat.mutation.catalogue.TARGET)
+    line: int = 0  # where the change starts in the pristine file (0: not recorded; the session works it out)
 
     def apply(self, source: str) -> str:
         mutated = source[: self.start] + self.replacement + source[self.end :]
-        compile(mutated, "multi_connector.py", "exec")
+        compile(mutated, self.target or "multi_connector.py", "exec")
         return mutated
 
     def with_reason(self, reason: str | None) -> GeneratedMutant:
