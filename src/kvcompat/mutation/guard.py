@@ -1,4 +1,4 @@
-"""The one file a mutation session changes, and how it is always put back.
+"""The files a mutation session changes (one at a time), and how each is always put back.
 
 The mutation venv is built with uv, which hardlinks installed files to its cache
 (and so to every other venv holding the same wheel).  Opening the installed file
@@ -11,6 +11,12 @@ checked against the distribution's RECORD hash.  A journal (written before the
 file is mutated, removed after it is restored) lets the next start restore a file
 left mutated by a SIGKILLed run.  The compiled ``__pycache__`` entries of the file
 are deleted on every swap, so a stale .pyc can never serve the other version.
+
+Every target file (kvcompat.mutation.targets) has its own pristine copy and journal in the
+state folder: multi_connector.py keeps the names it always had (journal.json, pristine.py), any
+other file ``journal--<path>.json`` and ``pristine--<path>`` (its path inside site-packages, "/"
+made "--").  Only one file is ever mutated at a time; :func:`journaled` finds every file a killed
+session may have left mutated, whichever target it was running.
 """
 
 from __future__ import annotations
@@ -62,8 +68,13 @@ class Guard:
         self.path = site / target
         self.target = target
         self.state = state  # a folder next to the venv: journal, pristine copy, session lock
-        self.journal = state / "journal.json"
-        self.pristine = state / "pristine.py"
+        if target == TARGET:
+            self.journal = state / "journal.json"
+            self.pristine = state / "pristine.py"
+        else:
+            flat = target.replace("/", "--")
+            self.journal = state / f"journal--{flat}.json"
+            self.pristine = state / f"pristine--{flat}"
 
     # -- the session lock -----------------------------------------------------------------
 
@@ -128,7 +139,8 @@ class Guard:
 
     def apply(self, mutant_id: str, source: str) -> None:
         """Journal first, then replace the file with the mutant."""
-        write_atomic(self.journal, json.dumps({"mutant": mutant_id, "path": str(self.path), "pid": os.getpid()}))
+        journal = {"mutant": mutant_id, "path": str(self.path), "target": self.target, "pid": os.getpid()}
+        write_atomic(self.journal, json.dumps(journal))
         replace_file(self.path, source.encode())
         self.purge_bytecode()
 
@@ -149,3 +161,20 @@ class Guard:
             return json.loads(self.journal.read_text())
         except (OSError, ValueError):
             return None
+
+
+def journaled(state: Path) -> list[str]:
+    """The target files (paths inside site-packages) with a journal in ``state``: each may be left mutated."""
+    found = []
+    for path in sorted(state.glob("journal*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        if path.name == "journal.json":
+            found.append(data.get("target") or TARGET)
+        elif isinstance(data.get("target"), str):
+            found.append(data["target"])
+        else:  # a journal cut short: its name says which file
+            found.append(path.name.removeprefix("journal--").removesuffix(".json").replace("--", "/"))
+    return list(dict.fromkeys(found))
