@@ -61,7 +61,7 @@ def matrix(session: nox.Session, cell_id: str) -> None:
 # are picked after -- (nox -s mutants -- -k vllm_0_33_0), so an expression matching no cell is an error.
 @nox.session(python=False)
 def mutants(session: nox.Session) -> None:
-    """Apply each mutant of tests/mutants/ to a cell's multi_connector.py, run the suite, report killed/survived."""
+    """Mutate a cell's vLLM files (--target: multi_connector.py by default), run the suite, report killed/survived."""
     from kvcompat.mutation import session as mutation
 
     with one_line_errors():
@@ -69,7 +69,7 @@ def mutants(session: nox.Session) -> None:
         runs = []
         for cell in mutation.select_cells(list(CELLS.values()), values.k):
             mo = mutation.options_for(ROOT, values, pytest_args)
-            runs.append(mutation.run_mutants(cell, mo, progress=session.log))
+            runs += mutation.run_targets(cell, mo, progress=session.log)
         sessions.update_report(ROOT, [ROOT / "results"])
     bad = [mutation.summary(r) for r in runs if not r.ok]
     if bad:
@@ -107,10 +107,16 @@ def lint(session: nox.Session) -> None:
 def bisect(session: nox.Session) -> None:
     """Find the first bad release: nox -s bisect -- --test T --good V1 --bad V2 [--dist D] [--torch pinned|X].
 
-    With --find-fix --bad OLD --good NEW: the first good release after a bad one."""
+    With --find-fix --bad OLD --good NEW: the first good release after a bad one.
+    With --repo PATH GOOD BAD: the first bad commit of a vLLM git checkout."""
     with one_line_errors():
-        values, _ = options.parse("bisect", session.posargs)
-        sessions.bisect(ROOT, values, say=session.log)
+        values = options.parse_bisect(session.posargs)
+        if values.repo is not None:
+            from kvcompat import bisect_commits
+
+            bisect_commits.bisect(ROOT, values, say=session.log)
+        else:
+            sessions.bisect(ROOT, values, say=session.log)
 
 
 @nox.session(python=False)

@@ -192,14 +192,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("--test", "the test to bisect: a node id or a keyword of one", ("bisect",), required=True, metavar="T"),
     Option(
         "--good",
-        "a release where the test passes (with --find-fix: the newer end)",
+        "a release where the test passes (with --find-fix: the newer end; with --repo: a commit, or GOOD)",
         ("bisect",),
         required=True,
         metavar="V1",
     ),
     Option(
         "--bad",
-        "a later release where it fails (with --find-fix: an older release where it fails)",
+        "a later release where it fails (with --find-fix: an older release where it fails; with --repo: a "
+        "commit, or BAD)",
         ("bisect",),
         required=True,
         metavar="V2",
@@ -244,6 +245,14 @@ OPTIONS: tuple[Option, ...] = (
         metavar="DIR",
     ),
     Option(
+        "--repo",
+        "bisect the commits of this vLLM git checkout instead of releases: `--repo PATH GOOD BAD`, two commits, "
+        "tags or branches in it (first parents of GOOD..BAD, both ends checked, at most ceil(log2 N)+2 cells); "
+        "each commit's vllm/**.py is laid over the release wheel that has its compiled parts",
+        ("bisect",),
+        metavar="PATH",
+    ),
+    Option(
         "--against",
         "the base release to qualify against (default: the release the candidate's version descends from)",
         ("qualify",),
@@ -263,6 +272,17 @@ OPTIONS: tuple[Option, ...] = (
         words,
         default=(),
         metavar="IDS",
+    ),
+    Option(
+        "--target",
+        "which files to mutate, space-separated groups: multi (multi_connector.py), nixl (NixlConnector's "
+        "scheduler and worker modules), offload (SimpleCPUOffloadConnector and vllm/v1/simple_kv_offload), "
+        "scheduler (the Scheduler's connector paths), aggregator (KVOutputAggregator); each mutant runs the "
+        "tests that execute its lines",
+        ("mutants",),
+        words,
+        default=("multi",),
+        metavar="GROUPS",
     ),
     Option(
         "--upstream-only",
@@ -360,6 +380,35 @@ def parse(
     else:
         ns, rest = parser.parse_args(argv), []
     return finish(ns, command, os.environ if environ is None else environ, nox_session=True), rest
+
+
+def take_refs(ns: argparse.Namespace, refs: list[str]) -> argparse.Namespace:
+    """bisect's commit form, ``--repo PATH GOOD BAD``: the two positional refs become ``--good`` and ``--bad``."""
+    if not refs:
+        return ns
+    if getattr(ns, "repo", None) is None:
+        raise OptionError(
+            f"bisect takes positional GOOD BAD only with --repo PATH (commits of a git checkout), got "
+            f"{' '.join(refs)!r}; for releases give --good V1 --bad V2"
+        )
+    if len(refs) != 2:
+        raise OptionError(f"--repo takes two commits, GOOD BAD, got {len(refs)}: {' '.join(refs)!r}")
+    if ns.good is not None or ns.bad is not None:
+        raise OptionError("give GOOD BAD either as the two positional arguments or as --good and --bad, not both")
+    ns.good, ns.bad = refs
+    return ns
+
+
+def parse_bisect(argv: list[str], environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """``nox -s bisect --`` arguments: the options, and with ``--repo PATH`` the two positional commits."""
+    prog = _prog("bisect")
+    parser = _Parser(prog=prog, add_help=False, allow_abbrev=False, usage=usage("bisect", prog) + " [GOOD BAD]")
+    add_options(parser, "bisect")
+    parser.add_argument("refs", nargs="*")
+    ns = parser.parse_intermixed_args(argv)
+    take_refs(ns, ns.refs)
+    del ns.refs
+    return finish(ns, "bisect", os.environ if environ is None else environ, nox_session=True)
 
 
 def one_positional(rest: list[str], name: str, command: str, what: str) -> str:

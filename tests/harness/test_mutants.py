@@ -55,6 +55,31 @@ def test_forward_reaches_every_child():
 
 def test_count():
     assert Multi([]).count([1, 0, 1]) == 2
+
+def test_aggregate():
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    assert KVOutputAggregator(2).aggregate([0, 1, 2]) == {1, 2}
+"""
+
+AGGREGATOR = "vllm/distributed/kv_transfer/kv_connector/utils.py"
+FAKE_AGGREGATOR = """\
+class KVOutputAggregator:
+    def __init__(self, n):
+        self.n = n
+
+    def aggregate(self, outs):
+        done = set()
+        for o in outs:
+            if o > 0:
+                done.add(o)
+        return done
+
+    def unused(self, x):
+        return x == 1
+
+
+def helper(x):
+    return x < 2
 """
 
 CATALOGUE = '''
@@ -117,6 +142,7 @@ def cell_lock(tmp_path_factory):
         "vllm/distributed/kv_transfer/kv_connector/__init__.py": "",
         "vllm/distributed/kv_transfer/kv_connector/v1/__init__.py": "",
         MULTI: FAKE_MULTI,
+        AGGREGATOR: FAKE_AGGREGATOR,
     }
     cell = Cell(vllm="0.0.1", torch="none", wheel=build_wheel(folder, files))
     suite = root / "suite"
@@ -191,6 +217,45 @@ def test_killed_survived_not_applicable_and_equivalent(cell_lock, tmp_path):
     md = mutation_report.render_markdown(mutation_report.load([tmp_path / "results"]))
     assert "## Mutation testing" in md and f"| {cell.id} | 2 | 1 | 66.7 % | 1 | 1 | 0 | complete |" in md
     assert "`untested-change` (nothing the suite checks)" in md and "`count-with-bool`: bool is an int" in md
+
+
+@SLOW
+def test_groups_share_one_baseline_and_run_each_mutant_against_the_tests_that_reach_it(cell_lock, tmp_path):
+    """--target multi aggregator: one baseline (under coverage), then each group's mutants, each run against
+    the tests that execute its lines; one no test reaches survives without a run.  The next session reuses
+    the stored map (its baseline runs without coverage)."""
+    cell, _ = cell_lock
+    lines: list[str] = []
+    mo = options(cell_lock, tmp_path, targets=("multi", "aggregator"))
+    multi, agg = mutation.run_targets(cell, mo, progress=lines.append)
+    assert sum("] baseline done in" in ln for ln in lines) == 1
+    assert multi.group == "multi" and agg.group == "aggregator" and multi.baseline == agg.baseline
+    assert agg.selection == multi.selection == "coverage: measured on this session's baseline"
+    status = {m.id: (m.status, m.how, m.tests_run) for m in agg.mutants}
+    prefix = "gen-kv-connector-utils-kvoutputaggregator-"
+    assert status == {
+        prefix + "aggregate-negate-if-1": ("killed", "test", 1),
+        prefix + "aggregate-compare-1": ("killed", "test", 1),
+        prefix + "aggregate-const-1": ("killed", "test", 1),
+        prefix + "aggregate-drop-call-1": ("killed", "test", 1),
+        prefix + "unused-compare-1": ("survived", "unreached", 0),
+        prefix + "unused-const-1": ("survived", "unreached", 0),
+    }
+    assert all(m.killed_by.endswith("::test_aggregate") for m in agg.mutants if m.status == "killed")
+    assert {m.file for m in agg.mutants} == {AGGREGATOR} and agg.not_reached == 2
+    # multi_connector.py: the untested method is reached by no test, forward's mutant by one test only
+    by_id = {m.id: m for m in multi.mutants}
+    assert (by_id["untested-change"].how, by_id["untested-change"].reason) == ("unreached", "no test reaches it")
+    assert by_id["drop-forward"].tests_run == 1 and by_id["drop-forward"].line == 9
+    assert (tmp_path / "results" / f"mutants-{cell.id}--aggregator.json").is_file()
+    assert (tmp_path / "results" / f"mutants-{cell.id}.coverage-aggregator.json").is_file()
+    md = mutation_report.render_markdown(mutation_report.load([tmp_path / "results"]))
+    assert f"| {cell.id} | aggregator | `utils.py` | 4 | 0 | 2 | 0 | 0 |" in md
+    assert mutation.guard_for(tmp_path / "mutants", cell, AGGREGATOR).is_pristine()
+
+    again = mutation.run_targets(cell, options(cell_lock, tmp_path, targets=("aggregator",)), progress=lambda s: None)
+    assert again[0].selection == "coverage: the stored map (suite and files unchanged)"
+    assert [(m.id, m.status) for m in again[0].mutants] == [(m.id, m.status) for m in agg.mutants]
 
 
 @SLOW

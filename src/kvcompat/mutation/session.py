@@ -1,20 +1,30 @@
 """A mutation session for one cell: its own venv, a green baseline, then one suite run per mutant.
 
     .kvcompat/mutants/venvs/<cell>            the session's venv, from the cell's lock (never the cell's venv)
-    .kvcompat/mutants/venvs/<cell>.mutation/  journal.json, pristine.py, session.lock (kvcompat.mutation.guard)
+    .kvcompat/mutants/venvs/<cell>.mutation/  journals, pristine copies, session.lock (kvcompat.mutation.guard)
     .kvcompat/mutants/cells/<cell>/           the session's log and pytest reports
-    results/mutants-<cell>.json               the verdicts, rewritten (atomically) after every mutant
+    results/mutants-<cell>.json               the verdicts of the ``multi`` group, rewritten (atomically)
+                                              after every mutant
+    results/mutants-<cell>--<group>.json      the verdicts of another group (``--target``, kvcompat.mutation.targets)
+    results/mutants-<cell>.coverage-<group>.json  which test runs which line of the group's files (covmap)
 
-A mutant is *killed* when a test that passed on the baseline fails or errors with it
-applied (pytest runs with -x, so the first such test is the killer), when the suite
-crashes, or when the run exceeds the per-mutant timeout.  It *survived* when every
-test still passes.  It is *not applicable* when its target code is absent from this
-release's file, and *equivalent* when the catalogue says why no test can tell it apart.
+``--target`` picks the groups of files to mutate (default ``multi``: multi_connector.py, with the
+catalogue and MultiConnector's generator; the others get kvcompat.mutation.operators' mechanical
+mutants).  The baseline runs once per session, whatever the groups; the files are swapped one at a time.
+
+Each mutant runs against the tests that execute the lines it changes (kvcompat.mutation.covmap: the
+baseline runs under coverage.py when the stored map is stale), the tests that killed earlier mutants
+first, stopping at the first failure.  A mutant is *killed* when a test that passed on the baseline
+fails or errors with it applied, when the suite crashes, or when the run exceeds the per-mutant timeout.
+It *survived* when every test it ran still passes, or when no test reaches it (``how = "unreached"``,
+reason "no test reaches it": nothing was run).  It is *not applicable* when its target code is absent
+from this release's file, and *equivalent* when the catalogue (or tests/mutants/equivalent*.toml) says
+why no test can tell it apart.
 
 In a cell that runs the upstream column (vLLM's own tests of the pair, ``suites = [..., "upstream"]``),
 every mutant ours saw (neither equivalent nor absent) is scored a second time against those tests, the
-same way: ``MutantVerdict.upstream`` holds that verdict, so the report can say, per release, how many
-mutants each suite kills and which only one of them kills.
+same way (with their own coverage map): ``MutantVerdict.upstream`` holds that verdict, so the report can
+say, per release, how many mutants each suite kills and which only one of them kills.
 """
 
 from __future__ import annotations
@@ -27,12 +37,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvcompat.atomic import write_atomic
 from kvcompat.cells import Cell
 from kvcompat.errors import KvcompatError
 from kvcompat.mutation import catalogue as cat
+from kvcompat.mutation import covmap, operators
 from kvcompat.mutation import generate as gen
+from kvcompat.mutation import guard as guards
+from kvcompat.mutation import targets as tg
 from kvcompat.mutation.guard import Guard, GuardError
 from kvcompat.outcomes import Outcome
 from kvcompat.results import headline
@@ -46,14 +60,17 @@ KILLED, SURVIVED, NOT_APPLICABLE, EQUIVALENT = "killed", "survived", "not_applic
 STATUSES = (KILLED, SURVIVED, NOT_APPLICABLE, EQUIVALENT)
 # A test that was green on the baseline and is not now (failed, error, unsupported, …) kills the mutant.
 STILL_GREEN = ("passed", "not_applicable")
+SUMMARY_NAMES = 12  # survivors named in the session's closing line (the report lists them all)
+UNREACHED = "unreached"  # MutantVerdict.how of a survivor that no test executes (nothing was run)
 
 
 class MutationError(KvcompatError):
     """The mutation session cannot start for this cell; the message names the fix."""
 
 
-def results_path(results_dir: Path, cell_id: str) -> Path:
-    return results_dir / f"mutants-{cell_id}.json"
+def results_path(results_dir: Path, cell_id: str, group: str = "multi") -> Path:
+    name = f"mutants-{cell_id}.json" if group == "multi" else f"mutants-{cell_id}--{group}.json"
+    return results_dir / name
 
 
 @dataclasses.dataclass
@@ -72,11 +89,16 @@ class MutationOptions:
     find_links: tuple[str, ...] = ()
     heartbeat_s: float = 30.0
     pytest_args: tuple[str, ...] = ()  # e.g. --deselect of a test that fails on the baseline; in every run
-    # tests/mutants/equivalent.toml: why generated mutants are equivalent (per release), and methods with no site
+    # tests/mutants/equivalent.toml: why generated mutants are equivalent (per release), and methods with no site;
+    # another group's reasons are read from equivalent-<group>.toml beside it, when there is one
     reasons: Path | None = None
     # Score the upstream column only, keeping our suite's verdicts from the previous scored run (ours takes
     # ~11 s a mutant, upstream ~50 s: the two need not be paid together).
     upstream_only: bool = False
+    # The groups of files to mutate (kvcompat.mutation.targets.GROUPS).
+    targets: tuple[str, ...] = tg.DEFAULT_GROUPS
+    # Coverage-based test selection (kvcompat.mutation.covmap); False: every mutant runs the whole suite.
+    select_tests: bool = True
 
     MIN_TIMEOUT_S = 120.0
 
@@ -88,14 +110,17 @@ class MutantVerdict:
     description: str
     status: str
     killed_by: str | None = None  # a test node id, "timeout" or "crash"
-    how: str | None = None  # test | timeout | crash
+    how: str | None = None  # test | timeout | crash | unreached (survived: no test executes it)
     detail: str = ""
     seconds: float = 0.0
-    reason: str | None = None  # equivalent: why
-    origin: str = "catalogue"  # or "generated" (kvcompat.mutation.generate)
+    reason: str | None = None  # equivalent: why; unreached: "no test reaches it"
+    origin: str = "catalogue"  # or "generated" (kvcompat.mutation.generate, kvcompat.mutation.operators)
     # The upstream column's verdict on the same mutant: {"status", "killed_by", "how", "detail", "seconds"};
     # None where the cell has no upstream column or the mutant was not run (equivalent, absent).
     upstream: dict | None = None
+    file: str | None = None  # the mutated file, inside site-packages
+    line: int | None = None  # where the change starts in the pristine file
+    tests_run: int | None = None  # how many tests coverage picked for it (None: the whole suite)
 
 
 @dataclasses.dataclass
@@ -112,7 +137,16 @@ class MutationRun:
     planned: int = 0
     pytest_args: list[str] = dataclasses.field(default_factory=list)
     # per method of MultiConnector and its classes: "N mutants", or why it needs none, or "MISSING"
+    # (another group: per function in scope, "N mutants" or "no site", never MISSING)
     coverage: dict[str, str] = dataclasses.field(default_factory=dict)
+    group: str = "multi"  # kvcompat.mutation.targets.GROUPS
+    # per file of the group: path, slug, scope, functions (the methods chosen), mutants (generated)
+    files: list[dict] = dataclasses.field(default_factory=list)
+    replaced: list[str] = dataclasses.field(default_factory=list)  # files the testkit replaces: not mutated
+    absent: str = ""  # why the group has no file in this release
+    selection: str = ""  # how each mutant's tests were picked (coverage map measured / reused / off: why)
+    # baseline_s (the session's baseline runs, shared by its groups), mutants_s (this group's loop), runs
+    timing: dict = dataclasses.field(default_factory=dict)
 
     @property
     def uncovered(self) -> list[str]:
@@ -130,6 +164,10 @@ class MutationRun:
         return [m for m in self.mutants if m.status == SURVIVED]
 
     @property
+    def not_reached(self) -> int:
+        return sum(1 for m in self.mutants if m.status == SURVIVED and m.how == UNREACHED)
+
+    @property
     def ok(self) -> bool:
         """Baseline green, every mutant decided, none survived, every method covered or explained."""
         return self.scored and self.finished is not None and not self.survivors and not self.uncovered
@@ -138,9 +176,13 @@ class MutationRun:
         return {
             "schema": SCHEMA,
             "id": self.id,
+            "group": self.group,
             "cell": self.cell,
             "catalogue": self.catalogue,
             "target": self.target,
+            "files": self.files,
+            "replaced": self.replaced,
+            "absent": self.absent,
             "started": self.started,
             "finished": self.finished,
             "scored": self.scored,
@@ -148,7 +190,10 @@ class MutationRun:
             "upstream_baseline": self.upstream_baseline,
             "planned": self.planned,
             "pytest_args": self.pytest_args,
+            "selection": self.selection,
+            "timing": self.timing,
             "counts": self.counts(),
+            "not_reached": self.not_reached,
             "coverage": self.coverage,
             "mutants": [dataclasses.asdict(m) for m in self.mutants],
         }
@@ -185,17 +230,25 @@ def venv_for(home: Path, cell: Cell) -> Path:
     return home / "venvs" / cell.id
 
 
-def guard_for(home: Path, cell: Cell) -> Guard:
-    venv = venv_for(home, cell)
-    return Guard(venv / "lib" / f"python{cell.python}" / "site-packages", venv.parent / f"{cell.id}.mutation")
+def site_for(home: Path, cell: Cell) -> Path:
+    return venv_for(home, cell) / "lib" / f"python{cell.python}" / "site-packages"
+
+
+def state_for(home: Path, cell: Cell) -> Path:
+    return venv_for(home, cell).parent / f"{cell.id}.mutation"
+
+
+def guard_for(home: Path, cell: Cell, target: str = cat.TARGET) -> Guard:
+    return Guard(site_for(home, cell), state_for(home, cell), target)
 
 
 def _interrupt(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_mutants(cell: Cell, mo: MutationOptions, progress: Callable[[str], None] = print) -> MutationRun:
-    """Run the catalogue against ``cell``; SIGTERM is handled like Ctrl-C (the file is restored either way)."""
+def run_targets(cell: Cell, mo: MutationOptions, progress: Callable[[str], None] = print) -> list[MutationRun]:
+    """Mutate ``mo.targets``' files in ``cell``, one run per group; SIGTERM is handled like Ctrl-C (the file
+    is restored either way)."""
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     try:
@@ -203,6 +256,11 @@ def run_mutants(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)
+
+
+def run_mutants(cell: Cell, mo: MutationOptions, progress: Callable[[str], None] = print) -> MutationRun:
+    """:func:`run_targets`' run of the first group (the only one by default: ``multi``)."""
+    return run_targets(cell, mo, progress)[0]
 
 
 def _context(cell: Cell, mo: MutationOptions, progress: Callable[[str], None], timeout_s: float) -> CellContext:
@@ -223,88 +281,258 @@ def _context(cell: Cell, mo: MutationOptions, progress: Callable[[str], None], t
     return CellContext(cell, venv_for(mo.home, cell), opts, progress, bytecode_outside_venv=False)
 
 
-def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> MutationRun:
+# -- what a session mutates --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Planned:
+    """One mutant with the mutated text of its file, and where it sits there."""
+
+    mutant: Any  # cat.Mutant | gen.GeneratedMutant
+    mutated: str | None  # None: not applicable to this release
+    target: str  # the file, inside site-packages
+    line: int | None
+    where: covmap.Where | None
+
+
+@dataclasses.dataclass
+class _Group:
+    name: str
+    resolved: tg.Resolved
+    sources: dict[str, str]  # path -> pristine text
+    mutants: list[tuple[Any, str]]  # (mutant, its file), before --mutant picks
+    run: MutationRun
+    out: Path
+    planned: list[_Planned] = dataclasses.field(default_factory=list)
+    kept: list[MutantVerdict] = dataclasses.field(default_factory=list)
+    ours_before: dict[str, MutantVerdict] = dataclasses.field(default_factory=dict)
+    maps: dict[str, dict[str, covmap.FileLines] | None] = dataclasses.field(default_factory=dict)  # per suite
+
+    @property
+    def hashes(self) -> dict[str, str]:
+        return {path: covmap.file_hash(text.encode()) for path, text in self.sources.items()}
+
+
+def _reasons_path(mo: MutationOptions, group: str) -> Path | None:
+    if mo.reasons is None:
+        return None
+    return mo.reasons if group == "multi" else mo.reasons.with_name(f"{mo.reasons.stem}-{group}.toml")
+
+
+def _group(cell: Cell, mo: MutationOptions, ctx: CellContext, group: str, written: list) -> _Group:
+    """A group's files in this release (pristine copies kept by their guards) and all their mutants."""
+    site, state = site_for(mo.home, cell), state_for(mo.home, cell)
+    resolved = tg.resolve(site, group)
+    sources = {f.path: Guard(site, state, f.path).save_pristine().decode() for f in resolved.files}
+    reasons = gen.load_reasons(_reasons_path(mo, group))
+    mutants: list[tuple[Any, str]] = []
+    files: list[dict] = []
+    if group == "multi":
+        if cat.TARGET not in sources:
+            raise MutationError(f"{cat.TARGET} is not in {cell_label(cell)}; there is nothing to mutate")
+        source = sources[cat.TARGET]
+        made = written + gen.mutants_for(source, cell.vllm, reasons)
+        mutants = [(m, cat.TARGET) for m in made]
+        coverage = gen.coverage(source, reasons)
+        files.append(
+            {
+                "path": cat.TARGET,
+                "slug": tg.file_slug(cat.TARGET),
+                "scope": "the catalogue (tests/mutants/multi_connector.toml) and MultiConnector's generator",
+                "functions": [m.contract for m in gen.methods(source)],
+                "mutants": len(made),
+            }
+        )
+    else:
+        coverage = {}
+        for f in resolved.files:
+            source = sources[f.path]
+            made = [m.with_reason(reasons.reason_for(m.id, cell.vllm)) for m in operators.generate(source, f)]
+            mutants += [(m, f.path) for m in made]
+            coverage |= operators.per_function(source, f, made)
+            files.append(
+                {
+                    "path": f.path,
+                    "slug": f.slug,
+                    "scope": f.scope.describe(),
+                    "functions": [fn.contract for fn in operators.functions(source, f.scope)],
+                    "mutants": len(made),
+                }
+            )
+    run = MutationRun(
+        cell=cell.to_json(),
+        catalogue=str(_rel(mo.catalogue, mo.repo)) if group == "multi" else "kvcompat.mutation.operators",
+        target=cat.TARGET if group == "multi" else " ".join(f.path for f in resolved.files),
+        started=ctx.started,
+        pytest_args=list(mo.pytest_args),
+        coverage=coverage,
+        group=group,
+        files=files,
+        replaced=list(resolved.replaced),
+        absent=resolved.absent,
+    )
+    return _Group(group, resolved, sources, mutants, run, results_path(mo.results_dir, cell.id, group))
+
+
+def _plan(g: _Group, only: tuple[str, ...]) -> None:
+    """Apply the picked mutants in memory (an ambiguous or broken one stops us before any run) and place them."""
+    picked = set(only) if only else None  # ids of every group (checked by _check_only)
+    locators = {path: covmap.Locator(text) for path, text in g.sources.items()}
+    for mutant, path in g.mutants:
+        if picked is not None and mutant.id not in picked:
+            continue
+        source = g.sources[path]
+        mutated = mutant.apply(source)
+        span = _span_of(mutant, source)
+        loc = locators[path]
+        where = loc.where(*span) if span is not None else None
+        line = loc.line_of(loc.strip(*span)[0]) if span is not None else None
+        g.planned.append(_Planned(mutant, mutated, path, line, where))
+
+
+def _span_of(mutant, source: str) -> tuple[int, int] | None:
+    if isinstance(mutant, gen.GeneratedMutant):
+        return mutant.start, mutant.end
+    found = mutant.locate(source)
+    return found[1] if found else None
+
+
+def _check_only(groups: list[_Group], only: tuple[str, ...]) -> None:
+    known = {m.id for g in groups for m, _ in g.mutants}
+    unknown = [i for i in only if i not in known]
+    if unknown:
+        raise cat.CatalogueError(
+            f"no mutant {', '.join(unknown)} for this release; see results/mutants-<cell>.json for ids"
+        )
+
+
+# -- the session -------------------------------------------------------------------------------------
+
+
+def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> list[MutationRun]:
     lock = mo.cell_work / cell.id / "lock.txt"
     if not lock.is_file():
         raise MutationError(
             f"cell {cell.id} has no lock ({lock}); run the cell once first: nox -s matrix -k {cell.tags[3]}"
         )
-    written = cat.load(mo.catalogue)
-    reasons = gen.load_reasons(mo.reasons)
+    names = tg.check_groups(tuple(mo.targets))
+    written = cat.load(mo.catalogue) if "multi" in names else []
     ctx = _context(cell, mo, progress, timeout_s=3600.0)
-    guard = guard_for(mo.home, cell)
-    held = guard.lock()
+    held = guard_for(mo.home, cell).lock()
+    t_session = time.monotonic()
     try:
         ctx.files.start_log(f"# kvcompat mutation session {cell.id} started {ctx.started}")
         reap_leftover(ctx.files, ctx.say)  # a pytest left running by a SIGKILLed session
-        _prepare_venv(ctx, guard, lock)
-        source = guard.save_pristine().decode()
-        mutants = select_mutants(written + gen.mutants_for(source, cell.vllm, reasons), mo.only)
-        plan = [(m, m.apply(source)) for m in mutants]  # an ambiguous or broken mutant stops us before any run
-        run = MutationRun(
-            cell=cell.to_json(),
-            catalogue=str(_rel(mo.catalogue, mo.repo)),
-            target=guard.target,
-            started=ctx.started,
-            planned=len(plan),
-            pytest_args=list(mo.pytest_args),
-            coverage=gen.coverage(source, reasons),
-        )
-        out = results_path(mo.results_dir, cell.id)
-        # --mutant ID reruns those mutants only: the previous full run's other verdicts are kept, so a
-        # rerun of a few (a new test, a new equivalence reason) never loses the rest of the score.
-        kept = _kept_verdicts(out, run, mo.only or (("*",) if mo.upstream_only else ()))
-        ours_before = {v.id: v for v in kept} if mo.upstream_only else {}
-        if mo.upstream_only:
-            prev = read_run(out) or {}
-            if not ours_before or "upstream" not in cell.suites:
-                raise MutationError(
-                    f"--upstream-only keeps our suite's verdicts of a previous scored run of {cell.id} with the "
-                    "upstream column; run `nox -s mutants` on that cell without --upstream-only first"
-                )
-            kept = [v for v in kept if v.id not in {m.id for m, _ in plan}]
-            run.baseline, run.scored = prev["baseline"], True
-        run.planned += len(kept)
+        _prepare_venv(ctx, mo, lock, names)
+        groups = [_group(cell, mo, ctx, name, written) for name in names]
+        _check_only(groups, mo.only)
+        if mo.only:  # a group none of whose mutants is picked is left as it is
+            groups = [g for g in groups if any(m.id in mo.only for m, _ in g.mutants)]
+        for g in groups:
+            _plan(g, mo.only)
+        selecting = _selection_ready(ctx, mo)
+        for g in groups:
+            _keep_previous(g, cell, mo)
+        t0 = time.monotonic()
         if not mo.upstream_only:
-            _baseline(ctx, run)
-        write_atomic(out, json.dumps(run.to_json(), indent=1))
-        if not run.scored:
-            ctx.say(f"baseline is {run.baseline['outcome']}: {run.baseline['detail']}; mutants not scored")
-            run.finished = now()
-            write_atomic(out, json.dumps(run.to_json(), indent=1))
-            return run
-        timeout = mo.timeout_s or max(MutationOptions.MIN_TIMEOUT_S, 5 * run.baseline["seconds"])
-        ctx = _context(cell, mo, progress, timeout_s=timeout)
-        passed = set(run.baseline["passed"])
-        killers = Killers(ctx.files.work / "killers.txt")
-        upstream = _upstream_scorer(cell, mo, progress, run)
-        decided: dict[str, MutantVerdict] = {}
-        for n, (mutant, mutated) in enumerate(plan, 1):
-            twin = decided.get(getattr(mutant, "same_as", None) or "")
-            if twin is not None:
-                verdict = _same_as(mutant, twin)
-            else:
-                verdict = ours_before.get(mutant.id) or _score(ctx, guard, mutant, mutated, passed, killers)
-                if upstream is not None and verdict.status in (KILLED, SURVIVED):
-                    verdict.upstream = upstream(guard, mutant, mutated)
-            decided[mutant.id] = verdict
-            run.mutants = _merge(kept, list(decided.values()))
-            ctx.say(f"mutant {n}/{len(plan)} {mutant.id}: {_say(verdict)}")
-            write_atomic(out, json.dumps(run.to_json(), indent=1))
-        run.finished = now()
-        write_atomic(out, json.dumps(run.to_json(), indent=1))
-        if kept:
-            ctx.say(
-                f"kept the previous run's verdicts of {len([k for k in kept if k.id not in decided])} other mutants"
-            )
-        c = run.counts()
-        ctx.say(
-            f"{c[KILLED]} killed, {c[SURVIVED]} survived, {c[NOT_APPLICABLE]} not applicable, "
-            f"{c[EQUIVALENT]} equivalent; wrote {_rel(out, mo.repo)}"
-        )
-        return run
+            baseline, scored = _baseline(ctx, mo, groups, selecting)
+            for g in groups:
+                g.run.baseline, g.run.scored = baseline, scored
+        for g in groups:
+            write_atomic(g.out, json.dumps(g.run.to_json(), indent=1))
+        if not all(g.run.scored for g in groups):
+            base = groups[0].run.baseline
+            ctx.say(f"baseline is {base['outcome']}: {base['detail']}; mutants not scored")
+            for g in groups:
+                g.run.finished = now()
+                write_atomic(g.out, json.dumps(g.run.to_json(), indent=1))
+            return [g.run for g in groups]
+        upstream = _upstream_scorer(cell, mo, progress, groups, selecting)
+        baseline_s = round(time.monotonic() - t0, 2)
+        for g in groups:
+            _score_group(cell, mo, progress, g, upstream, baseline_s)
+        ctx.say(f"session done in {time.monotonic() - t_session:.0f}s")
+        return [g.run for g in groups]
     finally:
         held.close()
+
+
+def _keep_previous(g: _Group, cell: Cell, mo: MutationOptions) -> None:
+    """--mutant ID reruns those mutants only: the previous full run's other verdicts are kept, so a rerun of
+    a few (a new test, a new equivalence reason) never loses the rest of the score.  --upstream-only keeps
+    ours' verdicts of every mutant."""
+    run = g.run
+    run.planned = len(g.planned)
+    g.kept = _kept_verdicts(g.out, run, mo.only or (("*",) if mo.upstream_only else ()))
+    g.ours_before = {v.id: v for v in g.kept} if mo.upstream_only else {}
+    if mo.upstream_only:
+        prev = read_run(g.out) or {}
+        if not g.ours_before or "upstream" not in cell.suites:
+            raise MutationError(
+                f"--upstream-only keeps our suite's verdicts of a previous scored run of {cell.id} with the "
+                "upstream column; run `nox -s mutants` on that cell without --upstream-only first"
+            )
+        g.kept = [v for v in g.kept if v.id not in {p.mutant.id for p in g.planned}]
+        run.baseline, run.scored = prev["baseline"], True
+    run.planned += len(g.kept)
+
+
+def _score_group(
+    cell: Cell, mo: MutationOptions, progress: Callable[[str], None], g: _Group, upstream, baseline_s: float
+) -> None:
+    run = g.run
+    timeout = mo.timeout_s or max(MutationOptions.MIN_TIMEOUT_S, 5 * run.baseline["seconds"])
+    ctx = _context(cell, mo, progress, timeout_s=timeout)
+    passed = list(run.baseline["passed"])
+    killers = Killers(ctx.files.work / "killers.txt")
+    site, state = site_for(mo.home, cell), state_for(mo.home, cell)
+    decided: dict[str, MutantVerdict] = {}
+    t0, runs = time.monotonic(), 0
+    if len(g.planned) and g.name != "multi":
+        ctx.say(f"{g.name}: {len(g.planned)} mutants in {len(g.sources)} files ({run.selection or 'whole suite'})")
+    for n, p in enumerate(g.planned, 1):
+        twin = decided.get(getattr(p.mutant, "same_as", None) or "")
+        guard = Guard(site, state, p.target)
+        if twin is not None:
+            verdict = _same_as(p, twin)
+        else:
+            before = g.ours_before.get(p.mutant.id)
+            verdict = before or _score(ctx, guard, p, passed, killers, _lines(g, "ours", p))
+            runs += before is None and verdict.status in (KILLED, SURVIVED) and verdict.how != UNREACHED
+            if upstream is not None and verdict.status in (KILLED, SURVIVED):
+                verdict.upstream = upstream(guard, p, _lines(g, "upstream", p))
+        decided[p.mutant.id] = verdict
+        run.mutants = _merge(g.kept, list(decided.values()))
+        ctx.say(f"mutant {n}/{len(g.planned)} {p.mutant.id}: {_say(verdict)}")
+        run.timing = _timing(baseline_s, time.monotonic() - t0, len(decided), runs)
+        write_atomic(g.out, json.dumps(run.to_json(), indent=1))
+    run.finished = now()
+    run.timing = _timing(baseline_s, time.monotonic() - t0, len(decided), runs)
+    write_atomic(g.out, json.dumps(run.to_json(), indent=1))
+    if g.kept:
+        ctx.say(f"kept the previous run's verdicts of {len([k for k in g.kept if k.id not in decided])} other mutants")
+    c = run.counts()
+    absent = f" ({run.absent})" if run.absent else ""
+    ctx.say(
+        f"{'' if g.name == 'multi' else g.name + ': '}{c[KILLED]} killed, {c[SURVIVED]} survived"
+        f"{f' ({run.not_reached} of them reached by no test)' if run.not_reached else ''}, "
+        f"{c[NOT_APPLICABLE]} not applicable, {c[EQUIVALENT]} equivalent{absent}; wrote {_rel(g.out, mo.repo)}"
+    )
+
+
+def _timing(baseline_s: float, mutants_s: float, decided: int, runs: int) -> dict:
+    return {
+        "baseline_s": baseline_s,
+        "mutants_s": round(mutants_s, 2),
+        "decided": decided,
+        "runs": runs,
+        "per_mutant_s": round(mutants_s / decided, 2) if decided else None,
+    }
+
+
+def _lines(g: _Group, suite: str, p: _Planned) -> covmap.FileLines | None:
+    files = g.maps.get(suite)
+    return None if files is None else files.get(p.target, {})
 
 
 def _rel(path: Path, root: Path) -> Path:
@@ -314,25 +542,50 @@ def _rel(path: Path, root: Path) -> Path:
         return path
 
 
-def _prepare_venv(ctx: CellContext, guard: Guard, lock: Path) -> None:
-    """Build (or re-sync) the session's venv from the cell's lock, after undoing what a killed session left."""
-    if guard.path.exists():
-        try:
-            done = guard.recover()
-        except GuardError as exc:
-            ctx.say(f"{exc}: rebuilding the mutation venv")
-            shutil.rmtree(ctx.venv)
-            done = None
-        if done:
-            ctx.say(done)
+def _prepare_venv(ctx: CellContext, mo: MutationOptions, lock: Path, groups: tuple[str, ...]) -> None:
+    """Build (or re-sync) the session's venv from the cell's lock, after undoing what a killed session left.
+
+    Every file with a journal is put back (whichever group the killed session ran), and every file of this
+    session's groups is checked against RECORD: one that differs with no pristine copy to restore it from
+    means the venv is rebuilt."""
+    site, state = site_for(mo.home, ctx.cell), state_for(mo.home, ctx.cell)
+    if site.is_dir():
+        check = [*guards.journaled(state), cat.TARGET]
+        for group in groups:
+            check += [f.path for f in tg.resolve(site, group).files]
+        for target in dict.fromkeys(check):
+            guard = Guard(site, state, target)
+            if not guard.path.exists():
+                continue
+            try:
+                done = guard.recover()
+            except GuardError as exc:
+                ctx.say(f"{exc}: rebuilding the mutation venv")
+                shutil.rmtree(ctx.venv)
+                break
+            if done:
+                ctx.say(done)
     ctx.files.work.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(lock, ctx.files.lock)
     with ctx.timed("install"):
         failure = install._install(ctx)  # the cell's own recipe: uv venv, uv pip sync of the lock, the harness .pth
     if failure is not None:
         raise MutationError(f"could not build the mutation venv {ctx.venv}: {failure}; see {ctx.files.log}")
-    if not guard.path.is_file():
-        raise MutationError(f"{guard.target} is not in {cell_label(ctx.cell)}; there is nothing to mutate")
+    if "multi" in groups and not guard_for(mo.home, ctx.cell).path.is_file():
+        raise MutationError(f"{cat.TARGET} is not in {cell_label(ctx.cell)}; there is nothing to mutate")
+
+
+def _selection_ready(ctx: CellContext, mo: MutationOptions) -> str | None:
+    """None when coverage-based selection can run (coverage installed in the venv), else why not."""
+    if not mo.select_tests:
+        return "off (select_tests=False): every mutant runs the whole suite"
+    failure = covmap.install(ctx)
+    if failure is not None:
+        ctx.say(
+            f"could not install {covmap.COVERAGE} into the mutation venv ({failure}): every mutant runs the whole suite"
+        )
+        return f"off: {covmap.COVERAGE} could not be installed ({failure}): every mutant runs the whole suite"
+    return None
 
 
 def cell_label(cell: Cell) -> str:
@@ -349,40 +602,124 @@ def _suite_run(ctx: CellContext, *extra: str) -> suites.SuiteRun:
     )
 
 
+def _ours_fingerprint(ctx: CellContext, run: suites.SuiteRun) -> str:
+    suite = Path(run.path) if Path(run.path).is_absolute() else ctx.opts.repo / run.path
+    testkit = Path(__file__).resolve().parent.parent / "testkit"  # what the suite drives vLLM with
+    return covmap.fingerprint([suite, testkit], [*run.args, *ctx.opts.pytest_args], run.env)
+
+
+def _measured(
+    ctx: CellContext,
+    results_dir: Path,
+    suite: str,
+    run: suites.SuiteRun,
+    groups: list[_Group],
+    selecting: str | None,
+    print_: str,
+) -> tuple[suites.SuiteRun, Callable[[bool], None]]:
+    """``run`` made to measure coverage when a group's stored map of ``suite`` is stale, and what to do after it
+    (store the maps when the run was green; else nothing is kept).  Sets each group's map and selection line."""
+    if selecting is not None:
+        for g in groups:
+            g.maps[suite] = None
+            g.run.selection = selecting
+        return run, lambda green: None
+    stale = []
+    for g in groups:
+        g.maps[suite] = covmap.load(covmap.map_path(results_dir, ctx.cell.id, g.name), suite, print_, g.hashes)
+        if g.maps[suite] is None:
+            stale.append(g)
+        elif suite == "ours":
+            g.run.selection = "coverage: the stored map (suite and files unchanged)"
+    if not stale:
+        return run, lambda green: None
+    cover = sorted({path for g in stale for path in g.sources})
+    out = ctx.files.work / f"coverage-{suite}.json"
+    out.unlink(missing_ok=True)
+    env = {**run.env, covmap.ENV_OUT: str(out), covmap.ENV_FILES: ":".join(cover)}
+    measured_run = dataclasses.replace(run, args=[*run.args, "-p", covmap.PLUGIN], env=env)
+
+    def after(green: bool) -> None:
+        files = covmap.read_plugin_output(out) if green else None
+        if not covmap.usable(files):
+            why = "the baseline is not green" if not green else "coverage measured no line of the files"
+            ctx.say(f"{suite}: no coverage map ({why}): every mutant runs the whole {suite} suite")
+            if suite == "ours":
+                for g in stale:
+                    g.run.selection = f"off: {why}; every mutant runs the whole suite"
+            return
+        for g in stale:
+            g.maps[suite] = {path: files.get(path, {}) for path in g.sources}
+            path = covmap.map_path(results_dir, ctx.cell.id, g.name)
+            covmap.save(path, ctx.cell.id, g.name, suite, print_, g.hashes, g.maps[suite])
+            if suite == "ours":
+                g.run.selection = "coverage: measured on this session's baseline"
+        ctx.say(f"{suite}: coverage map of {len(cover)} files measured on the baseline")
+
+    return measured_run, after
+
+
+def _baseline(ctx: CellContext, mo: MutationOptions, groups: list[_Group], selecting: str | None) -> tuple[dict, bool]:
+    """Our suite's unmutated run (under coverage when a group's map is stale): its record, and whether it is green."""
+    run = _suite_run(ctx)
+    run, after = _measured(ctx, mo.results_dir, "ours", run, groups, selecting, _ours_fingerprint(ctx, run))
+    t0 = time.monotonic()
+    with ctx.timed("baseline"):
+        verdict = suites.run_pytest(ctx, "ours", run)
+    green = verdict.outcome is Outcome.PASS
+    after(green)
+    return _baseline_record(verdict, time.monotonic() - t0), green
+
+
 def _upstream_scorer(
-    cell: Cell, mo: MutationOptions, progress: Callable[[str], None], run: MutationRun
-) -> Callable[[Guard, object, str], dict] | None:
+    cell: Cell, mo: MutationOptions, progress: Callable[[str], None], groups: list[_Group], selecting: str | None
+) -> Callable[[Guard, _Planned, covmap.FileLines | None], dict] | None:
     """Score mutants against the upstream column too, when the cell has one and it is green on the baseline."""
     if "upstream" not in cell.suites:
         return None
     ctx = _context(cell, mo, progress, timeout_s=3600.0)
     t0 = time.monotonic()
     with ctx.timed("upstream baseline"):
-        verdict = suites.run_suite(ctx, "upstream")
-    run.upstream_baseline = _baseline_record(verdict, time.monotonic() - t0)
-    passed = set(run.upstream_baseline["passed"])
-    if verdict.outcome is not Outcome.PASS:
+        try:
+            prepared = suites.suite_run(ctx, "upstream")
+        except Exception as exc:  # e.g. the sdist cannot be fetched: as suites.run_suite says it
+            verdict = suites.SuiteVerdict(Outcome.TEST_ERROR, f"could not prepare the upstream suite: {exc}", [])
+            prepared = None
+        if prepared is not None and not prepared.path:
+            verdict = suites.run_suite(ctx, "upstream")  # nothing of it in this release: its not-applicable verdict
+            prepared = None
+        if prepared is not None:
+            print_ = covmap.fingerprint([Path(prepared.path)], [*prepared.args, *ctx.opts.pytest_args], prepared.env)
+            measured, after = _measured(ctx, mo.results_dir, "upstream", prepared, groups, selecting, print_)
+            verdict = suites.run_pytest(ctx, "upstream", measured)
+            if prepared.not_applicable:  # as suites.run_suite records them
+                verdict.tests += prepared.not_applicable
+                verdict.detail += "; not applicable here: " + ", ".join(
+                    t.message or "" for t in prepared.not_applicable
+                )
+            after(verdict.outcome is Outcome.PASS)
+    record = _baseline_record(verdict, time.monotonic() - t0)
+    for g in groups:
+        g.run.upstream_baseline = record
+    passed = list(record["passed"])
+    if verdict.outcome is not Outcome.PASS or prepared is None:
         ctx.say(f"upstream baseline is {verdict.outcome.value}: {verdict.detail}; mutants scored by ours only")
         return None
-    timeout = mo.timeout_s or max(MutationOptions.MIN_TIMEOUT_S, 5 * run.upstream_baseline["seconds"])
+    timeout = mo.timeout_s or max(MutationOptions.MIN_TIMEOUT_S, 5 * record["seconds"])
     ctx = _context(cell, mo, progress, timeout_s=timeout)
     killers = Killers(ctx.files.work / "killers-upstream.txt")
-    prepared = suites.suite_run(ctx, "upstream")
 
-    def score(guard: Guard, mutant, mutated: str) -> dict:
-        run_ = dataclasses.replace(prepared, args=[*prepared.args, "-x", f"--kvcompat-first={killers.path}"])
-        v = _judge(ctx, guard, mutant, mutated, passed, killers, "upstream", run_)
+    def score(guard: Guard, p: _Planned, lines: covmap.FileLines | None) -> dict:
+        chosen = _select(lines, p, passed)
+        if not chosen.reached:
+            v = _unreached(p, chosen)
+        else:
+            extra = ["-x", f"--kvcompat-first={killers.path}", *_only(ctx, "upstream", chosen)]
+            run_ = dataclasses.replace(prepared, args=[*prepared.args, *extra])
+            v = _judge(ctx, guard, p, passed, killers, "upstream", run_, chosen)
         return {k: getattr(v, k) for k in ("status", "killed_by", "how", "detail", "seconds")}
 
     return score
-
-
-def _baseline(ctx: CellContext, run: MutationRun) -> None:
-    t0 = time.monotonic()
-    with ctx.timed("baseline"):
-        verdict = suites.run_pytest(ctx, "ours", _suite_run(ctx))
-    run.baseline = _baseline_record(verdict, time.monotonic() - t0)
-    run.scored = verdict.outcome is Outcome.PASS
 
 
 def _baseline_record(verdict: suites.SuiteVerdict, seconds: float) -> dict:
@@ -427,45 +764,93 @@ def _origin(mutant) -> str:
     return "generated" if isinstance(mutant, gen.GeneratedMutant) else "catalogue"
 
 
-def _same_as(mutant, twin: MutantVerdict) -> MutantVerdict:
-    """A mutant that makes the same program as one already run (two children): that one's verdict."""
+def _base(p: _Planned) -> dict:
+    m = p.mutant
+    return {
+        "id": m.id,
+        "contract": m.contract,
+        "description": m.description,
+        "origin": _origin(m),
+        "file": p.target,
+        "line": p.line,
+    }
+
+
+def _same_as(p: _Planned, twin: MutantVerdict) -> MutantVerdict:
+    """A mutant that makes the same program as one already run: that one's verdict."""
+    why = "for two children" if p.target == cat.TARGET else "(a negated test is its flipped comparison)"
     return dataclasses.replace(
         twin,
-        id=mutant.id,
-        contract=mutant.contract,
-        description=mutant.description,
-        origin=_origin(mutant),
-        detail=f"the same program as {twin.id} for two children: {twin.detail}"[:400],
+        **_base(p),
+        detail=f"the same program as {twin.id} {why}: {twin.detail}"[:400],
         seconds=0.0,
     )
 
 
+def _select(lines: covmap.FileLines | None, p: _Planned, passed: list[str]) -> covmap.Selection:
+    if lines is None or p.where is None:
+        return covmap.Selection(None, "the whole suite")
+    return covmap.select(lines, p.where, passed)
+
+
+def _unreached(p: _Planned, chosen: covmap.Selection) -> MutantVerdict:
+    lines = sorted(p.where.lines) if p.where else []
+    span = f"line {lines[0]}" if len(lines) == 1 else f"lines {lines[0]}-{lines[-1]}" if lines else "its lines"
+    return MutantVerdict(
+        **_base(p),
+        status=SURVIVED,
+        how=UNREACHED,
+        reason=covmap.NOT_REACHED,
+        detail=f"no test green on the baseline executes {span} of {p.target.rsplit('/', 1)[-1]}",
+        tests_run=0,
+    )
+
+
+def _only(ctx: CellContext, suite: str, chosen: covmap.Selection) -> list[str]:
+    """pytest arguments that run only the chosen tests (none: the whole suite)."""
+    if chosen.tests is None:
+        return []
+    path = ctx.files.work / f"only-{suite}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(chosen.tests) + "\n")
+    return ["-p", covmap.PLUGIN, f"--kvcompat-only={path}"]
+
+
 def _score(
-    ctx: CellContext, guard: Guard, mutant, mutated: str | None, passed: set[str], killers: Killers
+    ctx: CellContext,
+    guard: Guard,
+    p: _Planned,
+    passed: list[str],
+    killers: Killers,
+    lines: covmap.FileLines | None,
 ) -> MutantVerdict:
-    base = {"id": mutant.id, "contract": mutant.contract, "description": mutant.description, "origin": _origin(mutant)}
-    if mutated is None:
+    base = _base(p)
+    if p.mutated is None:
         return MutantVerdict(**base, status=NOT_APPLICABLE, detail=f"target code absent in {cell_label(ctx.cell)}")
-    if mutant.equivalent:
-        return MutantVerdict(**base, status=EQUIVALENT, reason=mutant.equivalent)
-    run = _suite_run(ctx, "-x", f"--kvcompat-first={killers.path}")
-    return _judge(ctx, guard, mutant, mutated, passed, killers, "ours", run)
+    if p.mutant.equivalent:
+        return MutantVerdict(**base, status=EQUIVALENT, reason=p.mutant.equivalent)
+    chosen = _select(lines, p, passed)
+    if not chosen.reached:
+        return _unreached(p, chosen)
+    run = _suite_run(ctx, "-x", f"--kvcompat-first={killers.path}", *_only(ctx, "ours", chosen))
+    return _judge(ctx, guard, p, passed, killers, "ours", run, chosen)
 
 
 def _judge(
     ctx: CellContext,
     guard: Guard,
-    mutant,
-    mutated: str,
-    passed: set[str],
+    p: _Planned,
+    passed: list[str],
     killers: Killers,
     suite: str,
     run: suites.SuiteRun,
+    chosen: covmap.Selection,
 ) -> MutantVerdict:
     """Run ``suite`` with the mutant applied: killed (by a test green on the baseline, a timeout, a crash) or survived."""
-    base = {"id": mutant.id, "contract": mutant.contract, "description": mutant.description, "origin": _origin(mutant)}
+    base = {**_base(p), "tests_run": None if chosen.tests is None else len(chosen.tests)}
+    green = set(passed)
     t0 = time.monotonic()
-    guard.apply(mutant.id, mutated)
+    guard.apply(p.mutant.id, p.mutated)
     try:
         verdict = suites.run_pytest(ctx, suite, run)
     finally:
@@ -475,7 +860,7 @@ def _judge(
         return MutantVerdict(
             **base, status=KILLED, killed_by="timeout", how="timeout", detail=verdict.detail, seconds=seconds
         )
-    killed = [t for t in verdict.tests if t.nodeid in passed and t.outcome.value not in STILL_GREEN]
+    killed = [t for t in verdict.tests if t.nodeid in green and t.outcome.value not in STILL_GREEN]
     if killed:
         t = killed[0]
         killers.saw(t.nodeid)
@@ -493,7 +878,8 @@ def _judge(
         return MutantVerdict(
             **base, status=KILLED, killed_by="crash", how="crash", detail=verdict.detail, seconds=seconds
         )
-    return MutantVerdict(**base, status=SURVIVED, detail=verdict.detail, seconds=seconds)
+    detail = verdict.detail if chosen.tests is None else f"{chosen.why}; they passed ({verdict.detail})"[:400]
+    return MutantVerdict(**base, status=SURVIVED, detail=detail, seconds=seconds)
 
 
 def _say(v: MutantVerdict) -> str:
@@ -501,18 +887,24 @@ def _say(v: MutantVerdict) -> str:
     if v.upstream is None:
         return ours
     up = v.upstream
-    theirs = (
-        f"killed by {(up.get('killed_by') or '').split('::')[-1] if up.get('how') == 'test' else up.get('how')}"
-        if up["status"] == KILLED
-        else "SURVIVED"
-    )
+    if up["status"] == KILLED:
+        theirs = (
+            f"killed by {(up.get('killed_by') or '').split('::')[-1] if up.get('how') == 'test' else up.get('how')}"
+        )
+    elif up.get("how") == UNREACHED:
+        theirs = "SURVIVED (no test reaches it)"
+    else:
+        theirs = "SURVIVED"
     return f"{ours}; upstream: {theirs} in {up.get('seconds', 0):.1f}s"
 
 
 def _say_ours(v: MutantVerdict) -> str:
     if v.status == KILLED:
         who = v.killed_by.split("::")[-1] if v.how == "test" else v.how
-        return f"killed by {who} in {v.seconds:.1f}s"
+        ran = f" ({v.tests_run} tests picked)" if v.tests_run is not None else ""
+        return f"killed by {who} in {v.seconds:.1f}s{ran}"
+    if v.status == SURVIVED and v.how == UNREACHED:
+        return f"SURVIVED ({v.contract}): no test reaches it (not run)"
     if v.status == SURVIVED:
         return f"SURVIVED ({v.contract}) in {v.seconds:.1f}s"
     if v.status == EQUIVALENT:
@@ -576,13 +968,19 @@ def options_for(root: Path, values, pytest_args: list[str] = ()) -> MutationOpti
         find_links=tuple(values.find_links),
         pytest_args=tuple(pytest_args),
         upstream_only=bool(values.upstream_only),
+        targets=tg.check_groups(tuple(getattr(values, "target", ()) or tg.DEFAULT_GROUPS)),
     )
 
 
 def summary(run: MutationRun) -> str:
     c = run.counts()
+    who = run.id if run.group == "multi" else f"{run.id} --target {run.group}"
     if not run.scored:
-        return f"{run.id}: baseline {run.baseline.get('outcome')} ({run.baseline.get('detail')}), mutants not scored"
-    text = f"{run.id}: {c[KILLED]} killed, {c[SURVIVED]} survived"
-    text += f" ({', '.join(m.id for m in run.survivors)})" if run.survivors else ""
+        return f"{who}: baseline {run.baseline.get('outcome')} ({run.baseline.get('detail')}), mutants not scored"
+    text = f"{who}: {c[KILLED]} killed, {c[SURVIVED]} survived"
+    if run.not_reached:
+        text += f" ({run.not_reached} reached by no test)"
+    names = [m.id for m in run.survivors]
+    more = f" and {len(names) - SUMMARY_NAMES} more" if len(names) > SUMMARY_NAMES else ""
+    text += f" ({', '.join(names[:SUMMARY_NAMES])}{more})" if names else ""
     return text + (f"; methods with no mutant and no reason: {', '.join(run.uncovered)}" if run.uncovered else "")

@@ -1,5 +1,11 @@
 """The report's "Mutation testing" section, from results/mutants-<cell>.json (see kvcompat.mutation.session).
 
+One result per cell and target group (``mutants-<cell>.json`` is the ``multi`` group, multi_connector.py;
+``mutants-<cell>--<group>.json`` another, see kvcompat.mutation.targets).  Besides the table per run,
+"Per file" counts, for every mutated file, the mutants killed, survived (ran, every test passed), not
+reached (no test executes them: not run), equivalent and not applicable, names each survivor with its
+line, and says what the run cost (the session's baseline, the mutants' runs, seconds a mutant).
+
 Markdown and HTML fragments; :mod:`kvcompat.report.write` appends them to compat.md and compat.html.
 """
 
@@ -11,11 +17,21 @@ from pathlib import Path
 
 SCHEMA = "kvcompat-mutants/1"  # kvcompat.mutation.session.SCHEMA (kept here: the report reads files, not sessions)
 COLUMNS = ("killed", "survived", "not_applicable", "equivalent")
+UNREACHED = "unreached"  # kvcompat.mutation.session.UNREACHED: a survivor no test executes
+
+
+def _group(run: dict) -> str:
+    return run.get("group") or "multi"
+
+
+def _label(run: dict) -> str:
+    """The run's row: the cell id, and its group unless it is multi_connector.py's."""
+    return run["id"] if _group(run) == "multi" else f"{run['id']} ({_group(run)})"
 
 
 def load(dirs: list[Path]) -> list[dict]:
-    """Every mutation result under ``dirs`` (recursively); for a cell seen twice, the latest start wins."""
-    by_id: dict[str, dict] = {}
+    """Every mutation result under ``dirs`` (recursively); for a cell and group seen twice, the latest start wins."""
+    by_id: dict[tuple[str, str], dict] = {}
     for d in dirs:
         for path in sorted(d.rglob("mutants-*.json")) if d.is_dir() else []:
             try:
@@ -24,10 +40,15 @@ def load(dirs: list[Path]) -> list[dict]:
                 continue
             if not isinstance(data, dict) or data.get("schema") != SCHEMA:
                 continue
-            old = by_id.get(data["id"])
+            key = (data["id"], _group(data))
+            old = by_id.get(key)
             if old is None or (data.get("started") or "") >= (old.get("started") or ""):
-                by_id[data["id"]] = data
-    return [by_id[k] for k in sorted(by_id, reverse=True)]
+                by_id[key] = data
+    order = {g: i for i, g in enumerate(("multi", "nixl", "offload", "scheduler", "aggregator"))}
+    ids = sorted({k[0] for k in by_id}, reverse=True)
+    return [
+        by_id[(i, g)] for i in ids for g in sorted((g for j, g in by_id if j == i), key=lambda g: (order.get(g, 9), g))
+    ]
 
 
 def _state(run: dict) -> str:
@@ -134,18 +155,19 @@ def render_markdown(runs: list[dict]) -> str:
         c = _counts(run)
         generated = sum(1 for m in run.get("mutants", []) if m.get("origin") == "generated")
         out.append(
-            f"| {run['id']} | {c['killed']} | {c['survived']} | {_score(run)} | {c['not_applicable']} | "
+            f"| {_label(run)} | {c['killed']} | {c['survived']} | {_score(run)} | {c['not_applicable']} | "
             f"{c['equivalent']} | {generated} | {_state(run)} |"
         )
     out.append("")
     for run in runs:
         survivors = [m for m in run.get("mutants", []) if m["status"] == "survived"]
-        if survivors:
+        if survivors and _group(run) == "multi":
             out += [f"Survivors in {run['id']}:", ""]
             out += [f"- `{m['id']}` ({m['contract']}): {m['description']}" for m in survivors]
             out.append("")
         if _uncovered(run):
             out += [f"Methods with no mutant and no reason in {run['id']}: {', '.join(_uncovered(run))}", ""]
+    out += render_per_file(runs)
     equivalent = {m["id"]: m for run in runs for m in run.get("mutants", []) if m["status"] == "equivalent"}
     if equivalent:
         out += ["Equivalent mutants (not run):", ""]
@@ -166,11 +188,12 @@ def render_html(runs: list[dict]) -> str:
     for run in runs:
         c = _counts(run)
         body.append(
-            f"<tr><td>{escape(run['id'])}</td>"
+            f"<tr><td>{escape(_label(run))}</td>"
             + "".join(f"<td>{c[k]}</td>" for k in COLUMNS)
             + f"<td>{escape(_score(run))}</td><td>{escape(_state(run))}</td></tr>"
         )
     body.append("</table>")
+    body.append(_per_file_html(runs))
     rows = [(run, h) for run in runs if (h := head_to_head(run))]
     if rows:
         body.append(
@@ -187,14 +210,137 @@ def render_html(runs: list[dict]) -> str:
         if not run.get("mutants"):
             continue
         body.append(
-            f"<details><summary>{escape(run['id'])}: every mutant</summary><table>"
+            f"<details><summary>{escape(_label(run))}: every mutant</summary><table>"
             "<tr><th>mutant</th><th>contract</th><th>status</th><th>killed by / why</th></tr>"
         )
         for m in run["mutants"]:
             why = _killer(m) if m["status"] == "killed" else (m.get("reason") or m.get("detail") or "")
+            at = f" ({_where(m)})" if m.get("line") and _group(run) != "multi" else ""
             body.append(
-                f"<tr><td><code>{escape(m['id'])}</code></td><td>{escape(m['contract'])}</td>"
+                f"<tr><td><code>{escape(m['id'])}</code>{escape(at)}</td><td>{escape(m['contract'])}</td>"
                 f"<td>{escape(m['status'].replace('_', ' '))}</td><td>{escape(why)}</td></tr>"
             )
         body.append("</table></details>")
+    return "".join(body)
+
+
+# -- per file ------------------------------------------------------------------------------------------
+
+FILE_COLUMNS = ("killed", "survived", "not reached", "equivalent", "not applicable")
+
+
+def _file_of(m: dict, run: dict) -> str:
+    return m.get("file") or (run.get("target") if _group(run) == "multi" else "") or "?"
+
+
+def _where(m: dict) -> str:
+    name = (m.get("file") or "").rsplit("/", 1)[-1]
+    return f"{name}:{m['line']}" if m.get("line") else name
+
+
+def file_counts(run: dict) -> dict[str, dict[str, int]]:
+    """Per mutated file of a run: killed, survived (ran, all green), not reached (not run), equivalent, not applicable."""
+    out: dict[str, dict[str, int]] = {}
+    for f in run.get("files") or []:
+        out[f["path"]] = dict.fromkeys(FILE_COLUMNS, 0)
+    for m in run.get("mutants", []):
+        c = out.setdefault(_file_of(m, run), dict.fromkeys(FILE_COLUMNS, 0))
+        if m["status"] == "survived":
+            c["not reached" if m.get("how") == UNREACHED else "survived"] += 1
+        else:
+            c[m["status"].replace("_", " ")] += 1
+    return out
+
+
+def timing(run: dict) -> str:
+    """What the run cost: the baseline(s), the mutants' loop, seconds a mutant; "" when not recorded."""
+    t = run.get("timing") or {}
+    if not t.get("decided"):
+        return ""
+    total = (t.get("baseline_s") or 0) + (t.get("mutants_s") or 0)
+    runs = t.get("runs", 0)
+    per_run = f", {t['mutants_s'] / runs:.1f} s a suite run" if runs else ""
+    return (
+        f"{total:.0f} s in all (baseline {t.get('baseline_s', 0):.0f} s, mutants {t.get('mutants_s', 0):.0f} s): "
+        f"{t['decided']} mutants, {t['mutants_s'] / t['decided']:.1f} s a mutant; {runs} suite runs{per_run}"
+    )
+
+
+def _short(path: str) -> str:
+    return path.removeprefix("vllm/").removeprefix("distributed/kv_transfer/kv_connector/")
+
+
+def render_per_file(runs: list[dict]) -> list[str]:
+    """Markdown: per run and mutated file, the counts and the survivors with their line."""
+    rows = [(run, path, c) for run in runs if run.get("scored") for path, c in file_counts(run).items()]
+    if not rows:
+        return []
+    out = [
+        "### Per file",
+        "",
+        "Survived: the tests that execute the mutated lines ran and passed. Not reached: no test executes "
+        "them (coverage of the unmutated suite), so nothing ran.",
+        "",
+        "| cell | group | file | " + " | ".join(FILE_COLUMNS) + " |",
+        "|---|---|---|" + "---|" * len(FILE_COLUMNS),
+    ]
+    for run, path, c in rows:
+        out.append(
+            f"| {run['id']} | {_group(run)} | `{_short(path)}` | " + " | ".join(str(c[k]) for k in FILE_COLUMNS) + " |"
+        )
+    out.append("")
+    for run in runs:
+        if not run.get("scored"):
+            continue
+        notes = []
+        if timing(run):
+            notes.append(f"time: {timing(run)}")
+        if run.get("selection"):
+            notes.append(f"tests picked by {run['selection']}")
+        if run.get("replaced"):
+            notes.append("transport replaced (not mutated): " + ", ".join(f"`{_short(p)}`" for p in run["replaced"]))
+        if run.get("absent"):
+            notes.append(f"not in this release: {run['absent']}")
+        if _group(run) == "scheduler":
+            chosen = [fn for f in run.get("files") or [] for fn in f.get("functions", [])]
+            notes.append(f"methods chosen ({len(chosen)}): " + ", ".join(f"`{fn}`" for fn in chosen))
+        if notes:
+            out += [f"{_label(run)}:", ""] + [f"- {n}" for n in notes] + [""]
+        by_file: dict[str, list[dict]] = {}
+        for m in run.get("mutants", []):
+            if m["status"] == "survived":
+                by_file.setdefault(_file_of(m, run), []).append(m)
+        for path, survivors in by_file.items():
+            ran = [m for m in survivors if m.get("how") != UNREACHED]
+            unreached = [m for m in survivors if m.get("how") == UNREACHED]
+            title = f"Survivors in {_label(run)}, `{_short(path)}`: {len(ran)} ran"
+            title += f", {len(unreached)} not reached" if unreached else ""
+            out += [f"<details><summary>{title}</summary>", ""]
+            out += [f"- `{m['id']}` (line {m.get('line') or '?'}): {m['description']}" for m in ran]
+            if unreached:
+                out += ["", "Not reached by any test:", ""]
+                out += [f"- `{m['id']}` (line {m.get('line') or '?'}): {m['description']}" for m in unreached]
+            out += ["", "</details>", ""]
+    return out
+
+
+def _per_file_html(runs: list[dict]) -> str:
+    rows = [(run, path, c) for run in runs if run.get("scored") for path, c in file_counts(run).items()]
+    if not rows:
+        return ""
+    body = [
+        "<h3>Per file</h3><table><tr><th>cell</th><th>group</th><th>file</th>"
+        + "".join(f"<th>{k}</th>" for k in FILE_COLUMNS)
+        + "</tr>"
+    ]
+    for run, path, c in rows:
+        body.append(
+            f"<tr><td>{escape(run['id'])}</td><td>{escape(_group(run))}</td><td><code>{escape(_short(path))}</code></td>"
+            + "".join(f"<td>{c[k]}</td>" for k in FILE_COLUMNS)
+            + "</tr>"
+        )
+    body.append("</table>")
+    for run in runs:
+        if run.get("scored") and timing(run):
+            body.append(f"<p>{escape(_label(run))}: {escape(timing(run))}</p>")
     return "".join(body)
