@@ -39,6 +39,7 @@ class Plant:
     target: str
     replacement: str
     red: tuple[str, ...]  # test node ids (relative to tests/connectors) that must fail
+    also: tuple[tuple[str, str], ...] = ()  # (target, replacement): the same change, spelled as other releases do
 
 
 PLANTS = (
@@ -90,6 +91,13 @@ PLANTS = (
         "                self._aborted_kv_loads.discard(req_id)\n                self._free_blocks(self.requests[req_id])\n",
         "                self._aborted_kv_loads.discard(req_id)\n",
         ("test_nixl_child.py::test_decode_abort_while_waiting_for_remote_kv_releases_both_sides",),
+        also=(
+            (
+                "                assert RequestStatus.is_finished(req.status)\n"
+                "                self._free_blocks(self.requests[req_id])\n",
+                "                assert RequestStatus.is_finished(req.status)\n",
+            ),
+        ),
     ),
     Plant(
         "scheduler-finished-sending-not-freed",
@@ -124,11 +132,16 @@ def run(venv: Path, plant: Plant, repo: Path) -> tuple[bool, str]:
     site = next(venv.glob("lib/python3*/site-packages"))
     path = site / plant.file
     pristine = path.read_text()
-    hits = pristine.count(plant.target)
-    if hits != 1:
-        return False, f"target found {hits} times in {plant.file} (this release's code differs): not planted"
+    spellings = [(plant.target, plant.replacement), *plant.also]
+    found = [(t, r) for t, r in spellings if pristine.count(t) == 1]
+    if len(found) != 1:
+        return (
+            False,
+            f"{len(found)} of its spellings found once in {plant.file} (this release's code differs): not planted",
+        )
+    target, replacement = found[0]
     try:
-        _swap(path, pristine.replace(plant.target, plant.replacement))
+        _swap(path, pristine.replace(target, replacement))
         tests = [f"tests/connectors/{t}" for t in plant.red]
         cmd = [str(venv / "bin/python"), "-m", "pytest", *tests, "-p", "no:cacheprovider", "-q", "--tb=line"]
         env = dict(os.environ, PYTHONPATH=str(repo / "src"))

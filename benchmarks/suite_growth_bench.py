@@ -1,0 +1,107 @@
+"""Benchmark: what a set of new contracts costs a warm cell, measured side by side in one run.
+
+    python benchmarks/suite_growth_bench.py --base REV [--cell vllm_0_34_0] [--rounds 2]
+
+Needs the cell's venv built (run `nox -s matrix -k CELL` once).  Per round, alternating:
+  base  : the in-cell suite (tests/connectors, as the cell runs it) from git revision REV, with that
+          revision's kvcompat, in the cell's venv (exported with `git archive`, nothing checked out)
+  now   : the same suite from the working tree
+  cell  : `nox -s matrix -k CELL -- --force` (resolve, install, ABI, both suites, result), wall time
+Prints each time, the suite's ratio now / base, and the warm cell's ratio: its wall time now against
+the same wall time with the base suite's run in place of today's (goal: at most 1.2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+SUITE_ARGS = ["tests/connectors", "-m", "not real_nixl and not gpu", "-p", "no:cacheprovider", "-q"]
+
+
+def _venv(cell_expr: str) -> Path:
+    from kvcompat import options, sessions
+
+    values, _ = options.parse("matrix", [])
+    from kvcompat.mutation.session import select_cells
+
+    (cell,) = select_cells(list(sessions.matrix_cells(REPO, values)), cell_expr)
+    return REPO / ".kvcompat" / "venvs" / cell.id
+
+
+def _export(rev: str, into: Path) -> Path:
+    archive = into / "base.tar"
+    subprocess.run(["git", "archive", "-o", str(archive), rev, "src", "tests"], cwd=REPO, check=True)
+    with tarfile.open(archive) as t:
+        t.extractall(into / "base", filter="data")
+    return into / "base"
+
+
+def _suite(venv: Path, root: Path) -> tuple[float, str]:
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [str(venv / "bin/python"), "-m", "pytest", *SUITE_ARGS],
+        cwd=root,
+        env={"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        capture_output=True,
+        text=True,
+    )
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else f"exit {proc.returncode}"
+    return time.monotonic() - t0, last
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="git revision whose suite is the baseline")
+    ap.add_argument("--cell", default="vllm_0_34_0 and torch_2_14_0", help="nox -k expression of one cell")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    venv = _venv(args.cell)
+    if not (venv / "bin/python").exists():
+        print(f"error: no venv for {args.cell!r} ({venv}); run `nox -s matrix -k '{args.cell}'` first", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        base_root = _export(args.base, Path(tmp))
+        rows = []
+        for r in range(1, args.rounds + 1):
+            base_s, base_line = _suite(venv, base_root)
+            now_s, now_line = _suite(venv, REPO)
+            t0 = time.monotonic()
+            subprocess.run(
+                ["nox", "-s", "matrix", "-k", args.cell, "--", "--force"], cwd=REPO, capture_output=True, check=False
+            )
+            cell_s = time.monotonic() - t0
+            rows.append((base_s, now_s, cell_s))
+            print(f"round {r}: base suite {base_s:6.1f}s ({base_line})", flush=True)
+            print(f"round {r}: now suite  {now_s:6.1f}s ({now_line})", flush=True)
+            print(
+                f"round {r}: warm cell  {cell_s:6.1f}s; suite now/base {now_s / base_s:.2f}x; "
+                f"cell now/base {cell_s / (cell_s - now_s + base_s):.2f}x",
+                flush=True,
+            )
+    base_m, now_m, cell_m = (statistics.median(c) for c in zip(*rows, strict=True))
+    print(
+        json.dumps(
+            {
+                "base_suite_s": round(base_m, 1),
+                "now_suite_s": round(now_m, 1),
+                "warm_cell_s": round(cell_m, 1),
+                "suite_ratio": round(now_m / base_m, 2),
+                "cell_ratio": round(cell_m / (cell_m - now_m + base_m), 2),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
