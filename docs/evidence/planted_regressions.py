@@ -14,7 +14,10 @@ Tried and dropped as equivalent on 0.34.0: removing SimpleCPUOffloadScheduler.re
 ``if self._abandoned_store_event_to_blocks or self._abandoned_reqs_to_load: return False``
 (simple_kv_offload/manager.py:1529-1530) still refuses while a transfer is in flight, because the
 blocks of an in-flight store or load are pinned and ``cpu_block_pool.reset_prefix_cache()``
-(manager.py:1535) refuses for that reason too.
+(manager.py:1535) refuses for that reason too.  Dropping the Scheduler's
+``cache_blocks`` once a remote load is ready (core/sched/scheduler.py:3650) leaves the received blocks
+cached all the same: the request's next ``allocate_slots`` caches every full computed block
+(core/kv_cache_manager.py:642-646), and an abort in between skips that call in the original too.
 """
 
 from __future__ import annotations
@@ -140,8 +143,13 @@ def run(venv: Path, plant: Plant, repo: Path) -> tuple[bool, str]:
             f"{len(found)} of its spellings found once in {plant.file} (this release's code differs): not planted",
         )
     target, replacement = found[0]
+    planted = pristine.replace(target, replacement)
     try:
-        _swap(path, pristine.replace(target, replacement))
+        compile(planted, plant.file, "exec")
+    except SyntaxError as exc:
+        return False, f"the planted file does not compile ({exc.msg}, line {exc.lineno}): fix the plant"
+    try:
+        _swap(path, planted)
         tests = [f"tests/connectors/{t}" for t in plant.red]
         cmd = [str(venv / "bin/python"), "-m", "pytest", *tests, "-p", "no:cacheprovider", "-q", "--tb=line"]
         env = dict(os.environ, PYTHONPATH=str(repo / "src"))

@@ -142,6 +142,20 @@ def test_decode_with_a_local_prefix_hit_reads_only_the_uncached_suffix(pd, nixl_
     assert_no_leak(p, d)
 
 
+def test_blocks_received_over_nixl_are_cached_on_the_decode_side(pd):
+    """Once D has read a prompt's blocks over NIXL, the Scheduler caches them in D's own prefix cache:
+    the same prompt sent to D again (a retry, the next turn) finds every full block of it locally."""
+    p, d = pd
+    prompt = token_ids(3 * BLOCK + 5, start=240)
+    print(pd_read_is_byte_exact(p, d, "cached-0", prompt))
+    again = va.make_request("cached-1", prompt, max_tokens=1)
+    hit = d.scheduler.kv_cache_manager.get_computed_blocks(again)[1]
+    assert hit == 3 * BLOCK, (
+        f"D's prefix cache holds {hit} tokens of a prompt it received over NIXL, not its {3 * BLOCK} full-block tokens"
+    )
+    assert_no_leak(p, d)
+
+
 # ---------------------------------------------------------------------------
 # 2. the prefill side: hold until read, or until the lease expires
 # ---------------------------------------------------------------------------
