@@ -878,7 +878,11 @@ def _judge(
         return MutantVerdict(
             **base, status=KILLED, killed_by="crash", how="crash", detail=verdict.detail, seconds=seconds
         )
-    detail = verdict.detail if chosen.tests is None else f"{chosen.why}; they passed ({verdict.detail})"[:400]
+    if chosen.tests is None:
+        detail = verdict.detail
+    else:  # the suite's own line would count the others as "not run here (-m …)"
+        green_now = sum(1 for t in verdict.tests if t.outcome.value in STILL_GREEN)
+        detail = f"{chosen.why}; {green_now}/{len(verdict.tests)} of them passed"
     return MutantVerdict(**base, status=SURVIVED, detail=detail, seconds=seconds)
 
 
@@ -899,14 +903,15 @@ def _say(v: MutantVerdict) -> str:
 
 
 def _say_ours(v: MutantVerdict) -> str:
+    twin = f" (the same program as {v.detail.split()[4]})" if v.detail.startswith("the same program as ") else ""
     if v.status == KILLED:
         who = v.killed_by.split("::")[-1] if v.how == "test" else v.how
         ran = f" ({v.tests_run} tests picked)" if v.tests_run is not None else ""
-        return f"killed by {who} in {v.seconds:.1f}s{ran}"
+        return f"killed by {who} in {v.seconds:.1f}s{ran}{twin}"
     if v.status == SURVIVED and v.how == UNREACHED:
         return f"SURVIVED ({v.contract}): no test reaches it (not run)"
     if v.status == SURVIVED:
-        return f"SURVIVED ({v.contract}) in {v.seconds:.1f}s"
+        return f"SURVIVED ({v.contract}) in {v.seconds:.1f}s{twin}"
     if v.status == EQUIVALENT:
         return f"equivalent: {v.reason}"
     return f"not applicable ({v.detail})"

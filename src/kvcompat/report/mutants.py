@@ -120,20 +120,20 @@ def render_head_to_head(runs: list[dict]) -> list[str]:
     for run, h in rows:
         partial = "" if h["scored"] == h["planned"] else f" (of {h['planned']})"
         out.append(
-            f"| {run['id']} | {h['scored']}{partial} | {h['ours']} | {h['upstream']} | {h['both']} | "
+            f"| {_label(run)} | {h['scored']}{partial} | {h['ours']} | {h['upstream']} | {h['both']} | "
             f"{len(h['only_ours'])} | {len(h['only_upstream'])} | {h['neither']} |"
         )
     out.append("")
     for run, h in rows:
         if h["only_upstream"]:
-            out += [f"Killed by upstream only in {run['id']}:", ""]
+            out += [f"Killed by upstream only in {_label(run)}:", ""]
             out += [
                 f"- `{m['id']}` ({m['contract']}): by {m['upstream'].get('killed_by', '').split('::')[-1]}"
                 for m in h["only_upstream"]
             ]
             out.append("")
         if h["only_ours"]:
-            out += [f"<details><summary>Killed by ours only in {run['id']}: {len(h['only_ours'])}</summary>", ""]
+            out += [f"<details><summary>Killed by ours only in {_label(run)}: {len(h['only_ours'])}</summary>", ""]
             out += [f"- `{m['id']}` ({m['contract']}): by {_killer(m)}" for m in h["only_ours"]]
             out += ["", "</details>", ""]
     return out
@@ -145,7 +145,8 @@ def render_markdown(runs: list[dict]) -> str:
     out = [
         "## Mutation testing",
         "",
-        "Each mutant is a small change to the release's multi_connector.py, applied in a copy of the cell's venv; "
+        "Each mutant is a small change to a file of the release (multi_connector.py, or the files of another "
+        "target group: the nixl, offload, scheduler or aggregator row), applied in a copy of the cell's venv; "
         "the suite should fail on it (killed). Survivors are contracts the suite does not check.",
         "",
         "| cell | killed | survived | killed of non-equivalent | not applicable | equivalent | generated | state |",
@@ -204,7 +205,7 @@ def render_html(runs: list[dict]) -> str:
         for run, h in rows:
             cells = [h["scored"], h["ours"], h["upstream"], h["both"], len(h["only_ours"]), len(h["only_upstream"])]
             cells.append(h["neither"])
-            body.append(f"<tr><td>{escape(run['id'])}</td>" + "".join(f"<td>{v}</td>" for v in cells) + "</tr>")
+            body.append(f"<tr><td>{escape(_label(run))}</td>" + "".join(f"<td>{v}</td>" for v in cells) + "</tr>")
         body.append("</table>")
     for run in runs:
         if not run.get("mutants"):
