@@ -57,6 +57,10 @@ HANDSHAKE = "test_nixl_handshake_metadata_comes_out_and_goes_to_every_child"
 # The contract that owns "a finished request's full blocks end up in the CPU tier, which serves them"
 # (test_multi_scheduler.py): every test that needs a stored prefix needs it.
 STORED = "test_offload_child_loads_prefix_after_store_completes"
+# The contract that owns "the prefill side finishes with the kv_transfer_params D needs"
+# (test_multi_scheduler.py), and the one that owns a whole P/D read (test_multi_worker.py).
+PREFILLED = "test_prefill_finish_returns_nixl_transfer_params"
+PD_READ = "test_decode_reads_exactly_the_kv_the_prefill_side_computed"
 P_ENGINE = "kvcompat-prefill"
 D_ENGINE = "kvcompat-decode"
 MAX_IDLE_STEPS = 60  # what an engine may take to drain once its requests are done

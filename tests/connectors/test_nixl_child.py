@@ -19,9 +19,9 @@ import pytest
 
 from kvcompat.outcomes import CHILD_ORDERS
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import not_applicable
+from kvcompat.testkit import not_applicable, setup_owned_by
 
-from conftest import BLOCK, assert_no_leak, patient_steps, pd_read_is_byte_exact, token_ids
+from conftest import BLOCK, PD_READ, PREFILLED, assert_no_leak, patient_steps, pd_read_is_byte_exact, token_ids
 
 NEVER = 10**9  # polls before a fake NIXL read completes: it stays in flight until the test lowers it
 MARK = -7.0  # what P's copy of a block is overwritten with when D must not read it
@@ -70,7 +70,8 @@ def test_decode_waits_for_the_remote_kv_and_asks_for_exactly_the_prefilled_token
     logits; P frees its blocks after D's read; neither engine leaks."""
     p, d = pd
     prompt = token_ids(3 * BLOCK + 5, start=200)
-    params = p.prefill("async-0", prompt)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("async-0", prompt)
     nixl_answers = _answers(monkeypatch, d.nixl, "get_num_new_matched_tokens")
     nixl_agent.polls_until_done = NEVER
     req = va.make_request("async-0", prompt, max_tokens=2, kv_transfer_params=params)
@@ -112,7 +113,8 @@ def test_decode_with_a_local_prefix_hit_reads_only_the_uncached_suffix(pd, nixl_
     d.scheduler.add_request(va.make_request("local-prefix", prompt[: local + 3], max_tokens=1))
     d.run(["local-prefix"])
     d.settle()
-    params = p.prefill("suffix-0", prompt)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("suffix-0", prompt)
     p_blocks = va.group_block_ids(params["remote_block_ids"])
     for rank in p.ranks:  # P's copy of the prefix: a read of it would bring MARK into D
         for cache in rank.kv_caches.values():
@@ -147,7 +149,8 @@ def test_blocks_received_over_nixl_are_cached_on_the_decode_side(pd):
     the same prompt sent to D again (a retry, the next turn) finds every full block of it locally."""
     p, d = pd
     prompt = token_ids(3 * BLOCK + 5, start=240)
-    print(pd_read_is_byte_exact(p, d, "cached-0", prompt))
+    with setup_owned_by(PD_READ):
+        print(pd_read_is_byte_exact(p, d, "cached-0", prompt))
     again = va.make_request("cached-1", prompt, max_tokens=1)
     hit = d.scheduler.kv_cache_manager.get_computed_blocks(again)[1]
     assert hit == 3 * BLOCK, (
@@ -216,7 +219,8 @@ def test_decode_abort_before_scheduling_releases_the_prefill_blocks(pd):
 
     p, d = pd
     prompt = token_ids(3 * BLOCK + 5, start=300)
-    params = p.prefill("abort-early", prompt)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("abort-early", prompt)
     d.scheduler.add_request(va.make_request("abort-early", prompt, max_tokens=2, kv_transfer_params=params))
     d.scheduler.finish_requests("abort-early", RequestStatus.FINISHED_ABORTED)
     assert _step_both(p, d, lambda: "abort-early" not in p.scheduler.requests), (
@@ -234,7 +238,8 @@ def test_decode_abort_while_waiting_for_remote_kv_releases_both_sides(pd, nixl_a
 
     p, d = pd
     prompt = token_ids(3 * BLOCK + 5, start=340)
-    params = p.prefill("abort-waiting", prompt)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("abort-waiting", prompt)
     nixl_agent.polls_until_done = NEVER
     req = va.make_request("abort-waiting", prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
@@ -260,7 +265,8 @@ def test_pd_round_trip_leaves_both_engines_at_their_idle_baseline(make_pd, order
     NIXL and stores its own), both engines settle back to their idle baseline: every device block
     free and no CPU-tier block pinned, whichever child comes first."""
     p, d = make_pd(order=order)
-    print(pd_read_is_byte_exact(p, d, f"leak-{order}", token_ids(3 * BLOCK + 5, start=400)))
+    with setup_owned_by(PD_READ):  # the read is that contract's; this one is what is left after it
+        print(pd_read_is_byte_exact(p, d, f"leak-{order}", token_ids(3 * BLOCK + 5, start=400)))
     assert_no_leak(p, d)
 
 
