@@ -47,6 +47,7 @@ class Step:
     verdict: Verdict
     why: str  # one line: the test's outcome or the cell's status
     seconds: float = 0.0  # the step's wall time (set by bisect)
+    cell: bool = True  # False: decided without a cell (a commit refused before building), never counted as one
 
 
 @dataclasses.dataclass
@@ -61,7 +62,7 @@ class BisectResult:
 
     @property
     def cells_evaluated(self) -> int:
-        return len(self.steps)
+        return sum(s.cell for s in self.steps)
 
     @property
     def last_good(self) -> str | None:
@@ -140,14 +141,20 @@ def verdict_for(result: CellResult, test: str) -> Step:
     return Step(version, Verdict.SKIP, "test not applicable to this release")
 
 
-def cell_budget(n: int) -> int:
+def cell_budget(n: int, *, check_older: bool = False) -> int:
     """Most cells a bisect over ``n`` releases evaluates when none is skipped.
 
     The newer end is checked first (it must show the new verdict, or there is nothing to
     find).  The older end is not checked up front: it is the search's first candidate, so
     the boundary is one of ``n`` places (after the older end ... or before it, which means
     the older end was not as the user said), found in ceil(log2 n) cells.
+
+    With ``check_older`` (commits: ``git bisect`` trusts neither end) the older end is the
+    second cell, and the boundary is one of the ``n - 1`` places after it: ceil(log2 (n-1)) + 2,
+    that is at most ceil(log2 N) + 2 for the N commits of GOOD..BAD.
     """
+    if check_older:
+        return math.ceil(math.log2(max(n - 1, 1))) + 2
     return math.ceil(math.log2(n)) + 1
 
 
@@ -158,20 +165,26 @@ def bisect(
     say: Callable[[str], None] = print,
     resume: Callable[[str, str], str] | None = None,
     find_fix: bool = False,
+    check_older: bool = False,
+    name: Callable[[str], str] = str,
+    noun: str = "release",
 ) -> BisectResult:
     """Binary search for the first bad release; ``versions[0]`` must be good and ``versions[-1]`` bad.
 
     With ``find_fix`` the verdicts swap: ``versions[0]`` must be bad, ``versions[-1]`` good, and the
     answer is the first good release.  Both ways the same skip rules and the same budget hold, and
     ``resume`` gets (good, bad) as the options of the resumed command take them.  Each step's
-    line gives its wall time.
+    line gives its wall time.  ``check_older`` checks the older end second instead of trusting it
+    (see :func:`cell_budget`); ``name`` is how a step's line shows an item (a commit's hash and subject),
+    ``noun`` what the items are in the errors' fixes.
+    A step whose ``cell`` is False costs no cell: it is listed, skipped, and not counted.
     """
     if len(versions) < 2:
         raise BisectError("need at least two releases between --good and --bad")
     old, new = (Verdict.BAD, Verdict.GOOD) if find_fix else (Verdict.GOOD, Verdict.BAD)
     old_flag, new_flag = ("--bad", "--good") if find_fix else ("--good", "--bad")
     n = len(versions)
-    budget = cell_budget(n)
+    budget = cell_budget(n, check_older=check_older)
     steps: list[Step] = []
 
     def run(i: int, role: str) -> Step:
@@ -179,19 +192,32 @@ def bisect(
         step = evaluate(versions[i])
         step.seconds = time.monotonic() - t0
         steps.append(step)
+        counter = f"{sum(s.cell for s in steps)}/≤{budget}" if step.cell else "no cell"
         say(
-            f"[{len(steps)}/≤{budget}] {versions[i]} ({role}): {step.verdict.value.upper()} - {step.why} "
-            f"({step.seconds:.0f}s)"
+            f"[{counter}] {name(versions[i])} ({role}): {step.verdict.value.upper()} - {step.why} ({step.seconds:.0f}s)"
         )
         return step
 
+    def not_old(first: Step) -> BisectError:
+        fix = f"pick a {noun} where the test fails" if find_fix else f"pick an older {noun} where the test passes"
+        return BisectError(
+            f"{old_flag} {name(versions[0])} is not {old.value} ({first.verdict.value}: {first.why}); {fix}"
+        )
+
     step = run(n - 1, f"{new_flag} endpoint")
     if step.verdict is not new:
-        fix = "pick a newer release where the test passes" if find_fix else "pick a release where the test fails"
-        raise BisectError(f"{new_flag} {versions[-1]} is not {new.value} ({step.verdict.value}: {step.why}); {fix}")
+        fix = f"pick a newer {noun} where the test passes" if find_fix else f"pick a {noun} where the test fails"
+        raise BisectError(
+            f"{new_flag} {name(versions[-1])} is not {new.value} ({step.verdict.value}: {step.why}); {fix}"
+        )
 
-    # lo = -1: the older end, taken on the user's word until a cell shows it.
+    # lo = -1: the older end, taken on the user's word until a cell shows it (or, with check_older, now).
     lo, hi, skipped = -1, n - 1, set()
+    if check_older:
+        step = run(0, f"{old_flag} endpoint")
+        if step.verdict is not old:
+            raise not_old(step)
+        lo = 0
     while True:
         untested = [i for i in range(lo + 1, hi) if i not in skipped]
         if not untested:
@@ -200,7 +226,7 @@ def bisect(
         role = (
             f"{old_flag} endpoint"
             if mid == 0
-            else f"{hi - lo - 1} left between {versions[max(lo, 0)]} and {versions[hi]}"
+            else f"{hi - lo - 1} left between {name(versions[max(lo, 0)])} and {name(versions[hi])}"
         )
         step = run(mid, role)
         if step.verdict is old:
@@ -213,9 +239,7 @@ def bisect(
             good, bad = (versions[hi], versions[lo]) if find_fix else (versions[lo], versions[hi])
             say("  resume with: " + resume(good, bad))
     if lo < 0:  # the older end showed the new verdict, or could not be put to the test
-        first = next(s for s in steps if s.version == versions[0])
-        fix = "pick a release where the test fails" if find_fix else "pick an older release where the test passes"
-        raise BisectError(f"{old_flag} {versions[0]} is not {old.value} ({first.verdict.value}: {first.why}); {fix}")
+        raise not_old(next(s for s in steps if s.version == versions[0]))
     untested = [versions[i] for i in sorted(skipped) if lo < i < hi]
     return BisectResult(versions[lo], versions[hi], steps, untested, find_fix=find_fix)
 

@@ -1,5 +1,6 @@
 """Bisect: the search, skips that are never counted, endpoint checks, and the source diff."""
 
+import dataclasses
 import math
 
 import pytest
@@ -249,3 +250,37 @@ def test_a_blocked_test_is_skipped_never_bad():
     blocked.tests[0].blocked_by = "test_register"
     step = bis.verdict_for(blocked, "test_hs")
     assert step.verdict is bis.Verdict.SKIP and step.why.startswith("blocked by test_register")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 7, 8, 9, 16, 17, 33])
+def test_checking_both_ends_takes_at_most_ceil_log2_n_plus_2_cells(n):
+    """Commits: GOOD is checked too (second, after BAD); N = n - 1 commits after it, ceil(log2 N) + 2 cells."""
+    versions = [f"0.{m}.0" for m in range(n)]
+    for first_bad in range(n):
+        evaluate, calls = fake(versions[first_bad])
+        if first_bad == 0:
+            with pytest.raises(bis.BisectError, match=f"--good {versions[0]} is not good"):
+                bis.bisect(versions, evaluate, say=lambda s: None, check_older=True)
+            assert calls == [versions[-1], versions[0]]  # refused at the second cell, before any search
+            continue
+        res = bis.bisect(versions, evaluate, say=lambda s: None, check_older=True)
+        assert (res.last_good, res.first_bad) == (versions[first_bad - 1], versions[first_bad])
+        assert calls[:2] == [versions[-1], versions[0]]
+        assert len(calls) <= bis.cell_budget(n, check_older=True) == math.ceil(math.log2(n - 1)) + 2
+
+
+def test_a_step_without_a_cell_is_skipped_and_not_counted():
+    """A commit refused before building (compiled sources changed) costs no cell and no budget."""
+    versions = [f"0.{m}.0" for m in range(9)]
+    evaluate, calls = fake("0.5.0", skip={"0.4.0"})
+
+    def no_cell(v):
+        step = evaluate(v)
+        return dataclasses.replace(step, cell=False) if step.verdict is bis.Verdict.SKIP else step
+
+    lines = []
+    res = bis.bisect(versions, no_cell, say=lines.append, check_older=True, name=lambda v: f"v{v}")
+    assert (res.older, res.newer) == ("0.3.0", "0.5.0") and res.untested_between == ["0.4.0"]
+    assert res.cells_evaluated == len(calls) - 1
+    assert any(line.startswith("[no cell] v0.4.0 (") for line in lines)
+    assert [line.split("]")[0] for line in lines if not line.startswith(("[no", " "))][-1] == f"[{len(calls) - 1}/≤5"
