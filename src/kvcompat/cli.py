@@ -3,7 +3,8 @@
     kvcompat report [DIR…]      merge result folders into reports/ and print the grid
     kvcompat show CELL          one cell's verdict, tests and log tail
     kvcompat list               the cells of a matrix and their last verdicts
-    kvcompat bisect …           the first release where a test breaks, or with --find-fix is fixed (as nox -s bisect)
+    kvcompat bisect …           the first release where a test breaks, or with --find-fix is fixed (as nox -s bisect);
+                                with --repo PATH GOOD BAD the first commit of a vLLM git checkout
     kvcompat qualify CANDIDATE  a vLLM wheel or source checkout against its base release: regressions, exit 1
 
 Bad input is one line on stderr, ``kvcompat: error: …``, and exit status 2, as in the nox sessions.
@@ -61,12 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_options(p, "list")
     p = sub.add_parser(
         "bisect",
-        help="find the first release where a test breaks (or, with --find-fix, is fixed)",
+        help="find the first release (or with --repo, commit) where a test breaks (or, with --find-fix, is fixed)",
         description="Binary-search the releases between --good and --bad for the first where --test "
         "fails (with --find-fix --bad OLD --good NEW: the first where it passes again); each step is a "
-        "matrix cell (same venv, same result cache).",
+        "matrix cell (same venv, same result cache).  With --repo PATH GOOD BAD: the commits of a vLLM git "
+        "checkout, each laid over the release wheel that has its compiled parts.",
     )
     options.add_options(p, "bisect")
+    p.add_argument("refs", nargs="*", metavar="REF", help="with --repo: GOOD BAD, two commits, tags or branches")
     p = sub.add_parser(
         "qualify",
         help="a candidate vLLM (wheel or source checkout) against its base release; exit 1 on a regression",
@@ -91,6 +94,8 @@ def run(argv: list[str]) -> int:
         raise KvcompatError(
             f"{root} is not a kvcompat project (no pyproject.toml); run from the project or pass --root"
         )
+    if ns.command == "bisect":
+        options.take_refs(ns, ns.refs)
     if ns.command in ("report", "list", "bisect", "qualify"):
         options.finish(ns, ns.command, os.environ)
     if ns.command == "report":
@@ -104,6 +109,10 @@ def run(argv: list[str]) -> int:
         print(sessions.show(sessions.find_result(root, ns.cell)))
     elif ns.command == "list":
         print(sessions.list_cells(root, sessions.matrix_cells(root, ns)))
+    elif ns.command == "bisect" and ns.repo is not None:
+        from kvcompat import bisect_commits
+
+        bisect_commits.bisect(root, ns)
     elif ns.command == "bisect":
         sessions.bisect(root, ns)
     elif ns.command == "qualify":

@@ -1,0 +1,666 @@
+"""Bisect the commits of a vLLM git checkout: the first commit where a test fails (``git bisect run``).
+
+    kvcompat bisect --repo ~/src/vllm GOOD BAD --test test_load_errors_of_either_child_reach_the_scheduler
+    nox -s bisect -- --repo ~/src/vllm GOOD BAD --test T
+
+The steps, each a plain function:
+
+1. :func:`commits_between` — GOOD, then ``git rev-list --first-parent --reverse GOOD..BAD``: the N
+   commits the first bad one can be.  Bad input (not a git repository, an unknown ref, GOOD not an
+   ancestor of BAD) is one line naming the fix.
+2. :meth:`History.base_of` — the release a commit descends from: its tree's own version (an sdist's
+   ``PKG-INFO``, a ``vllm/_version.py``), else the newest release tag its history holds; then the
+   newest final release on the index at or below it (:func:`kvcompat.qualify.base_release`).
+3. :meth:`History.compiled_refusal` — the commit's compiled sources (``csrc/``, ``rust/``, CMake,
+   ``setup.py``, C/C++/CUDA/Rust files; git's blob ids) against the base's sdist.  A commit that
+   changed them cannot be laid over any release wheel that lacks the change: at GOOD or BAD that is
+   bad input (exit 2), in between the commit is skipped, as ``git bisect skip``, with the files and
+   the release that would be needed.  When the first release that contains the commit has the same
+   compiled sources, that release is the base.
+4. :meth:`History.overlay` — ``git archive`` of the commit's ``vllm/`` (nothing is checked out in
+   the user's work tree), its ``vllm/**.py`` laid over the base's wheel
+   (:func:`kvcompat.qualify.overlay_wheel`, named ``<base>+src.<hash of the Python changes>``: a
+   commit that changes no Python shares its parent's wheel and cell).
+5. Each overlaid wheel runs as a cell with the base's matrix-entry overrides (as ``kvcompat
+   qualify`` runs a candidate), our suite only; the verdict is the named test's
+   (:func:`kvcompat.bisection.verdict_for`).  A commit that cannot be built, installed or imported
+   is skipped, never good or bad.  :func:`kvcompat.bisection.bisect` checks BAD, then GOOD, then
+   searches: at most ceil(log2 N) + 2 cells.
+
+Results go to ``.kvcompat/bisect/results/`` (out of the matrix's report), and a record per tree to
+``.kvcompat/bisect/commits/``: a commit whose tree was evaluated before (with the same suite, torch
+and overrides) is answered from its result without building anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+import zipfile
+from argparse import Namespace
+from collections.abc import Callable
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from kvcompat import bisection as bis
+from kvcompat import qualify as q
+from kvcompat.atomic import write_atomic
+from kvcompat.results import CellResult
+
+# The files a connector bisect is about: their changes between the last good and the first bad commit.
+CONNECTOR_DIRS = tuple(d.rstrip("/") for d in bis.CONNECTOR_DIRS)
+GIT_URL = "https://github.com/vllm-project/vllm"
+
+
+class Refused(Exception):
+    """A commit whose Python cannot be laid over a release wheel; the message is the one-line reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    sha: str
+    tree: str
+    subject: str
+
+    @property
+    def short(self) -> str:
+        return self.sha[:10]
+
+    @property
+    def label(self) -> str:
+        subject = self.subject if len(self.subject) <= 50 else self.subject[:49] + "…"
+        return f'{self.short} "{subject}"'
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlay:
+    """What runs as a commit's cell: the base release's wheel with the commit's Python laid over it."""
+
+    commit: Commit
+    base: str
+    wheel: Path
+    changed: tuple[str, ...]  # the vllm/**.py files that differ from the base wheel's
+
+
+@dataclasses.dataclass(frozen=True)
+class Releases:
+    """The index's side: its vllm releases, and a release's wheel and sdist (each fetched once, cached)."""
+
+    listed: Callable[[], list[Version]]
+    wheel: Callable[[str], Path]
+    sdist: Callable[[str], Path]
+
+
+# -- 1. git --------------------------------------------------------------------------------------
+
+
+def git(repo: Path, *args: str) -> str:
+    """``git -C repo ARGS``'s stdout; a failure raises :class:`subprocess.CalledProcessError` with stderr."""
+    try:
+        proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, check=False)
+    except FileNotFoundError:
+        raise bis.BisectError("git is not installed (bisecting commits runs git); install git") from None
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, args, proc.stdout, proc.stderr)
+    return proc.stdout.decode(errors="replace")
+
+
+def _first_line(err: subprocess.CalledProcessError) -> str:
+    text = (err.stderr or b"").decode(errors="replace").strip()
+    return text.splitlines()[0] if text else f"exit status {err.returncode}"
+
+
+def open_repo(path: Path) -> Path:
+    """The top folder of the git repository at ``path``."""
+    clone = f"point --repo at a vLLM git clone (git clone {GIT_URL})"
+    if not path.is_dir():
+        raise bis.BisectError(f"--repo {path} is not a folder; {clone}")
+    try:
+        return Path(git(path, "rev-parse", "--show-toplevel").strip())
+    except subprocess.CalledProcessError as exc:
+        raise bis.BisectError(f"--repo {path} is not a git repository ({_first_line(exc)}); {clone}") from None
+
+
+def resolve_ref(repo: Path, ref: str, role: str) -> str:
+    """The full hash of the commit ``ref`` names (a hash, a tag, a branch, ``HEAD~3``)."""
+    try:
+        return git(repo, "rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}").strip()
+    except subprocess.CalledProcessError:
+        raise bis.BisectError(
+            f"{role} {ref!r} names no commit in {repo}; give a commit hash, tag or branch of it "
+            f"(`git -C {repo} log --oneline --first-parent` lists them; a release tag may need `git fetch --tags`)"
+        ) from None
+
+
+def _commits(repo: Path, *args: str) -> list[Commit]:
+    out = git(repo, "log", "--format=%H%x00%T%x00%s%x00", *args)
+    fields = out.split("\x00")
+    return [
+        Commit(fields[i].strip(), fields[i + 1], fields[i + 2])
+        for i in range(0, len(fields) - 2, 3)
+        if fields[i].strip()
+    ]
+
+
+def commits_between(repo: Path, good: str, bad: str, *, find_fix: bool = False) -> list[Commit]:
+    """The older end, then every first-parent commit after it up to the newer end (oldest first).
+
+    ``good`` is where the test passes and ``bad`` where it fails; with ``find_fix`` ``bad`` is the older.
+    """
+    (old_role, old_ref), (new_role, new_ref) = (
+        (("BAD", bad), ("GOOD", good)) if find_fix else (("GOOD", good), ("BAD", bad))
+    )
+    old, new = resolve_ref(repo, old_ref, old_role), resolve_ref(repo, new_ref, new_role)
+    if old == new:
+        raise bis.BisectError(
+            f"{old_role} {old_ref} and {new_role} {new_ref} are the same commit ({old[:10]}); "
+            f"give an older {old_role} or a newer {new_role}"
+        )
+
+    def is_ancestor(a: str, b: str) -> bool:
+        try:
+            git(repo, "merge-base", "--is-ancestor", a, b)
+            return True
+        except subprocess.CalledProcessError:
+            return False
+
+    if not is_ancestor(old, new):
+        if is_ancestor(new, old):
+            hint = (
+                "swap them (with --find-fix the fix comes after the break: BAD is the older)"
+                if find_fix
+                else "swap them, or add --find-fix to find the commit that fixed it"
+            )
+            raise bis.BisectError(
+                f"{old_role} {old_ref} ({old[:10]}) is newer than {new_role} {new_ref} ({new[:10]}); {hint}"
+            )
+        raise bis.BisectError(
+            f"{old_role} {old_ref} ({old[:10]}) is not an ancestor of {new_role} {new_ref} ({new[:10]}): they are "
+            f"on different branches; give a {old_role} that {new_role}'s history holds "
+            f"(`git -C {repo} merge-base {old[:10]} {new[:10]}` is where they part)"
+        )
+    first = _commits(repo, "-1", old)
+    after = _commits(repo, "--first-parent", "--reverse", f"{old}..{new}")
+    return first + after
+
+
+def _show(repo: Path, sha: str, path: str) -> bytes | None:
+    try:
+        proc = subprocess.run(["git", "-C", str(repo), "show", f"{sha}:{path}"], capture_output=True, check=True)
+    except subprocess.CalledProcessError:
+        return None
+    return proc.stdout
+
+
+def _git_blob_id(data: bytes, object_format: str) -> bytes:
+    algo = hashlib.sha256 if object_format == "sha256" else hashlib.sha1
+    return algo(b"blob %d\0" % len(data) + data).hexdigest().encode()
+
+
+def _release(tag: str) -> Version | None:
+    try:
+        return Version(tag.strip().removeprefix("v"))
+    except InvalidVersion:
+        return None
+
+
+# -- 2.-4. a commit as a wheel ----------------------------------------------------------------------
+
+
+class History:
+    """The commits of one repository, each turned into an overlaid wheel against its base release."""
+
+    def __init__(self, repo: Path, releases: Releases, work: Path) -> None:
+        self.repo = repo
+        self.releases = releases
+        self.work = work
+        self.object_format = "sha1"
+        try:
+            self.object_format = git(repo, "rev-parse", "--show-object-format").strip() or "sha1"
+        except subprocess.CalledProcessError:
+            pass
+
+    # -- 2. the base -------------------------------------------------------------------------------
+
+    def version_of(self, commit: Commit) -> tuple[str | None, str]:
+        """(version, where it came from): the tree's PKG-INFO or vllm/_version.py, else the newest release tag
+        in its history."""
+        with tempfile.TemporaryDirectory(prefix="version.", dir=self._work()) as tmp:
+            for rel in ("PKG-INFO", "vllm/_version.py"):
+                data = _show(self.repo, commit.sha, rel)
+                if data is not None:
+                    (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (Path(tmp) / rel).write_bytes(data)
+            version = q.checkout_version(Path(tmp))
+        if version is not None:
+            return version, "its tree's version"
+        tags = [v for v in map(_release, git(self.repo, "tag", "--merged", commit.sha).split()) if v is not None]
+        if tags:
+            return str(max(tags)), f"tag v{max(tags)} in its history"
+        return None, "no version"
+
+    def base_of(self, commit: Commit) -> str:
+        version, _ = self.version_of(commit)
+        if version is None:
+            raise Refused(
+                f"{commit.label} says no version (no PKG-INFO, no vllm/_version.py, no release tag such as v0.34.0 "
+                f"in its history): fetch vLLM's tags (`git -C {self.repo} fetch --tags {GIT_URL}`)"
+            )
+        try:
+            return q.base_release(version, self.releases.listed())
+        except q.QualifyError as exc:
+            raise Refused(f"{commit.label}: {exc}") from None
+
+    # -- 3. compiled sources -------------------------------------------------------------------------
+
+    def compiled_of_commit(self, commit: Commit) -> dict[str, bytes]:
+        """The commit's compiled sources as {path: git blob id}, read from its tree (nothing exported)."""
+        out = {}
+        for line in git(self.repo, "ls-tree", "-r", "--full-tree", "-z", commit.sha).split("\x00"):
+            meta, _, rel = line.partition("\t")
+            parts = meta.split()
+            if len(parts) != 3 or parts[1] != "blob" or parts[0] == "120000":  # files only, not links
+                continue
+            if not rel.startswith(("tests/", "build/")) and q.is_compiled_source(rel):
+                out[rel] = parts[2].encode()
+        return out
+
+    @functools.cache  # noqa: B019 (one History per bisect: a release's sdist is read once)
+    def compiled_of_release(self, release: str) -> dict[str, bytes]:
+        sources = q.compiled_sources_of_sdist(self.releases.sdist(release))
+        return {rel: _git_blob_id(data, self.object_format) for rel, data in sources.items()}
+
+    def compiled_changes(self, commit: Commit, release: str) -> list[str]:
+        """The compiled sources the commit has changed, added or removed relative to ``release``'s sdist.
+
+        A file the sdist does not ship and that lies outside what the build compiles (``csrc/``,
+        ``cmake/``, ``rust/``, the top-level build files) is no part of the wheel and is left out.
+        """
+        mine, theirs = self.compiled_of_commit(commit), self.compiled_of_release(release)
+        return [
+            rel
+            for rel in q.compiled_differences(mine, theirs)
+            if rel in theirs or rel.startswith(q.COMPILED_FOLDERS) or rel in q.COMPILED_FILES
+        ]
+
+    def first_release_containing(self, commit: Commit) -> str | None:
+        tags = git(self.repo, "tag", "--contains", commit.sha).split()
+        finals = [v for v in map(_release, tags) if v is not None and not v.is_prerelease]
+        return str(min(finals)) if finals else None
+
+    def base_sharing_compiled(self, commit: Commit) -> str:
+        """The release whose wheel the commit's Python is laid over: its base, or (when the commit changed
+        compiled sources) the first release that contains it if that one's compiled sources are the
+        commit's.  Otherwise :class:`Refused`, naming the files and the release that would be needed."""
+        base = self.base_of(commit)
+        differ = self.compiled_changes(commit, base)
+        if not differ:
+            return base
+        shipped = self.first_release_containing(commit)
+        if shipped and Version(shipped) > Version(base) and Version(shipped) in self.releases.listed():
+            if not self.compiled_changes(commit, shipped):
+                return shipped
+            needed = (
+                f"vllm {shipped}, the first release that contains it, has other compiled changes too: "
+                "build a wheel of the commit"
+            )
+        elif shipped:
+            needed = f"its compiled parts ship in vllm {shipped} (not on the index): build a wheel of the commit"
+        else:
+            needed = "no release contains it yet: build a wheel of the commit"
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        raise Refused(
+            f"{commit.label} changes compiled sources relative to vllm {base} ({shown}): its Python cannot be laid "
+            f"over the {base} wheel; {needed}"
+        )
+
+    # -- 4. the overlaid wheel -------------------------------------------------------------------------
+
+    def python_of(self, commit: Commit) -> frozenset[str]:
+        """The ``vllm/**.py`` files git tracks in ``commit`` (read from its tree, nothing exported)."""
+        out = git(self.repo, "ls-tree", "-r", "--name-only", "-z", commit.sha, "--", "vllm")
+        return frozenset(rel for rel in out.split("\x00") if rel.endswith(".py"))
+
+    def export(self, commit: Commit, dest: Path) -> Path:
+        """The commit's ``vllm/**.py`` under ``dest`` (``git archive``: the user's work tree is left alone)."""
+        proc = subprocess.Popen(
+            ["git", "-C", str(self.repo), "archive", "--format=tar", commit.sha, "--", "vllm"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+            for member in tar:
+                if member.isfile() and member.name.endswith(".py") and ".." not in member.name.split("/"):
+                    target = dest / member.name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
+        err = proc.stderr.read() if proc.stderr else b""
+        if proc.wait():
+            raise Refused(f"{commit.label}: git archive failed ({err.decode(errors='replace').strip()[:200]})")
+        if not (dest / "vllm" / "__init__.py").is_file():
+            raise Refused(f"{commit.label} has no vllm/__init__.py: not a vLLM tree")
+        return dest
+
+    def overlay(self, commit: Commit, since: Commit | None = None) -> Overlay:
+        """The commit as a wheel: its base release's wheel with the commit's Python laid over it.
+
+        A ``vllm/**.py`` file that ``since`` (the bisect's older end) tracks and the commit no longer
+        does was deleted in between: it is replaced by one that fails to import, as the deleted module
+        would.  (The release's sdist is no guide to deletions: it ships files git does not track.)
+        """
+        base = self.base_sharing_compiled(commit)
+        wheel = self.releases.wheel(base)
+        with tempfile.TemporaryDirectory(prefix="tree.", dir=self._work()) as tmp:
+            tree = self.export(commit, Path(tmp))
+            changes = q.python_changes(tree, wheel)
+            present = {p.relative_to(tree).as_posix() for p in (tree / "vllm").rglob("*.py")}
+        deleted = (self.python_of(since) - present) if since is not None and since != commit else set()
+        for rel in sorted(deleted):
+            changes[rel] = f"raise ModuleNotFoundError({rel!r} + ' is deleted in this commit')\n".encode()
+        digest = hashlib.sha256(b"".join(k.encode() + b"\0" + v for k, v in sorted(changes.items()))).hexdigest()[:10]
+        local = f"{base}+src.{digest}"
+        built = self.work / f"vllm-{local}-{wheel.name.split('-', 2)[2]}"
+        if not built.is_file():
+            built = q.overlay_wheel(wheel, changes, local, self.work)
+        return Overlay(commit, base, built, tuple(sorted(changes)))
+
+    def _work(self) -> Path:
+        self.work.mkdir(parents=True, exist_ok=True)
+        return self.work
+
+
+# -- resumability -----------------------------------------------------------------------------------
+
+
+class Records:
+    """One file per evaluated tree: which cell answered it, under which fingerprint (suite, torch, overrides).
+
+    A commit whose tree has a record with the current fingerprint, and whose cell result is readable and
+    not an infrastructure failure (those may be transient), is answered from that result.
+    """
+
+    def __init__(self, folder: Path, load: Callable[[str], CellResult | None]) -> None:
+        self.folder = folder
+        self.load = load
+
+    def _path(self, commit: Commit) -> Path:
+        return self.folder / f"{commit.tree}.json"
+
+    def _read(self, commit: Commit) -> dict:
+        try:
+            return json.loads(self._path(commit).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, commit: Commit, fingerprint: str) -> tuple[str, CellResult] | None:
+        cell = self._read(commit).get("cells", {}).get(fingerprint)
+        result = self.load(cell) if cell else None
+        if result is None or result.outcome in bis.INFRASTRUCTURE:
+            return None
+        return cell, result
+
+    def put(self, commit: Commit, fingerprint: str, overlay: Overlay, cell: str) -> None:
+        data = self._read(commit) or {"tree": commit.tree, "cells": {}}
+        data.update(commit=commit.sha, subject=commit.subject, base=overlay.base, changed=list(overlay.changed))
+        data["cells"][fingerprint] = cell
+        write_atomic(self._path(commit), json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+# -- the search ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CommitAnswer:
+    result: bis.BisectResult
+    commits: dict[str, Commit]
+    n: int  # the commits of GOOD..BAD
+
+    @property
+    def older(self) -> Commit:
+        return self.commits[self.result.older]
+
+    @property
+    def newer(self) -> Commit:
+        return self.commits[self.result.newer]
+
+
+def bisect_commits(
+    history: History,
+    good: str,
+    bad: str,
+    *,
+    test: str,
+    run: Callable[[Overlay], tuple[str, CellResult]],
+    fingerprint: Callable[[str], str],
+    records: Records | None = None,
+    force: bool = False,
+    find_fix: bool = False,
+    say: Callable[[str], None] = print,
+    resume: Callable[[str, str], str] | None = None,
+) -> CommitAnswer:
+    """Find the first bad commit of GOOD..BAD (with ``find_fix``, the first good one after BAD).
+
+    ``run`` puts an overlaid wheel to the suite and returns (cell id, result); ``fingerprint(base)``
+    names everything besides the tree that a recorded result must share (suite, torch, overrides);
+    ``force`` evaluates every commit again (its record is rewritten).
+    """
+    commits = commits_between(history.repo, good, bad, find_fix=find_fix)
+    by_sha = {c.sha: c for c in commits}
+    # Both ends must be testable before any cell runs: a refusal there is bad input.
+    newer, older = (("GOOD", good), ("BAD", bad)) if find_fix else (("BAD", bad), ("GOOD", good))
+    for commit, (role, ref) in ((commits[-1], newer), (commits[0], older)):  # checked in the search's order
+        try:
+            history.base_sharing_compiled(commit)
+        except Refused as exc:
+            raise bis.BisectError(
+                f"{role} {ref}: {exc} (or pick a {role} whose compiled sources match a release's; "
+                "`kvcompat qualify WHEEL` takes a built wheel)"
+            ) from None
+    n = len(commits) - 1
+    budget = bis.cell_budget(len(commits), check_older=True)
+    goal = f"the fix of {test!r}" if find_fix else repr(test)
+    say(
+        f"bisecting {n} commit{'s' if n != 1 else ''} of {history.repo} after {commits[0].label} up to "
+        f"{commits[-1].label} (first parents) for {goal}; at most {budget} cells (ceil(log2 {n}) + 2)"
+    )
+
+    def evaluate(sha: str) -> bis.Step:
+        commit = by_sha[sha]
+        try:
+            base = history.base_sharing_compiled(commit)
+        except Refused as exc:
+            return bis.Step(sha, bis.Verdict.SKIP, str(exc).removeprefix(commit.label + " "), cell=False)
+        key = fingerprint(base)
+        found = records.get(commit, key) if records is not None and not force else None
+        if found is not None:
+            cell, result = found
+            say(f"    answered from {cell}'s result (this tree was evaluated before)")
+        else:
+            t0 = time.monotonic()
+            try:
+                overlay = history.overlay(commit, since=commits[0])
+            except (Refused, OSError, RuntimeError, zipfile.BadZipFile) as exc:  # never good or bad
+                return bis.Step(sha, bis.Verdict.SKIP, f"could not be built: {exc}", cell=False)
+            files = ", ".join(overlay.changed[:3]) + (" …" if len(overlay.changed) > 3 else "")
+            say(
+                f"    vllm {overlay.base}'s wheel with {len(overlay.changed)} Python file(s) of the commit laid over "
+                f"it{': ' + files if files else ''} ({time.monotonic() - t0:.0f}s)"
+            )
+            cell, result = run(overlay)
+            if records is not None:
+                records.put(commit, key, overlay, cell)
+        step = bis.verdict_for(result, test)
+        return dataclasses.replace(step, version=sha)
+
+    def name(sha: str) -> str:
+        return by_sha[sha].label
+
+    res = bis.bisect(
+        [c.sha for c in commits],
+        evaluate,
+        say=say,
+        resume=(lambda g, b: resume(g[:12], b[:12])) if resume is not None else None,
+        find_fix=find_fix,
+        check_older=True,
+        name=name,
+        noun="commit",
+    )
+    return CommitAnswer(res, by_sha, n)
+
+
+def connector_changes(repo: Path, older: str, newer: str) -> list[bis.FileChange]:
+    """+/- per changed connector source between two commits (``git diff --numstat``)."""
+    out = git(repo, "diff", "--numstat", "--no-renames", older, newer, "--", *CONNECTOR_DIRS)
+    changes = []
+    for line in out.splitlines():
+        added, removed, path = line.split("\t", 2)
+        status = "modified"
+        if _show(repo, older, path) is None:
+            status = "added"
+        elif _show(repo, newer, path) is None:
+            status = "removed"
+        changes.append(
+            bis.FileChange(path, int(added) if added != "-" else 0, int(removed) if removed != "-" else 0, status)
+        )
+    return changes
+
+
+def render_answer(answer: CommitAnswer, repo: Path) -> str:
+    res = answer.result
+    budget = bis.cell_budget(answer.n + 1, check_older=True)
+    full = {"older": answer.older, "newer": answer.newer}
+    if res.find_fix:
+        lines = [
+            "",
+            f"first good commit: {full['newer'].sha} {full['newer'].subject}",
+            f"last bad commit:   {full['older'].sha} {full['older'].subject}",
+        ]
+        boundary = "first good"
+    else:
+        lines = [
+            "",
+            f"first bad commit: {full['newer'].sha} {full['newer'].subject}",
+            f"last good commit: {full['older'].sha} {full['older'].subject}",
+        ]
+        boundary = "first bad"
+    if res.untested_between:
+        skipped = ", ".join(answer.commits[s].label for s in res.untested_between)
+        lines.append(f"  (could not test {skipped} in between: the {boundary} commit may be one of them)")
+    lines.append(
+        f"cells evaluated: {res.cells_evaluated} (at most {budget}: ceil(log2 {answer.n}) + 2 for {answer.n} "
+        f"commit{'s' if answer.n != 1 else ''})"
+    )
+    changes = connector_changes(repo, answer.older.sha, answer.newer.sha)
+    lines.append(
+        f"connector sources changed between {answer.older.short} and {answer.newer.short}: {len(changes)} file(s)"
+    )
+    lines += [f"  {c.status:8} +{c.added:<5} -{c.removed:<5} {c.path}" for c in changes]
+    lines.append(f"show it: git -C {repo} show {answer.newer.sha}")
+    return "\n".join(lines)
+
+
+# -- the front door's function ---------------------------------------------------------------------------
+
+
+def check_options(values: Namespace) -> None:
+    """Options that mean nothing for commits are bad input, not silently dropped."""
+    for flag, given, why in (
+        ("--wheelhouse", values.wheelhouse is not None, "the commits' wheels are built from --repo"),
+        ("--dist", values.dist != "vllm", "a commit's Python is laid over a vllm release wheel"),
+        ("--env", values.env == "as-released", "a built wheel has no release date: commits run with today's index"),
+        ("--pre", bool(values.pre), "the commits are listed by git, not the index"),
+    ):
+        if given:
+            raise bis.BisectError(f"{flag} does not go with --repo ({why}); drop it")
+
+
+def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) -> CommitAnswer:
+    """``kvcompat bisect --repo PATH GOOD BAD --test T``: the first bad commit (bad input raises, one line)."""
+    from kvcompat import index, upstream
+    from kvcompat.cells import resolve_cells
+    from kvcompat.matrix import Entry
+    from kvcompat.options import command_line
+    from kvcompat.results import check_result, result_path
+    from kvcompat.run.cellfiles import CellFiles
+    from kvcompat.run.options import RunOptions
+    from kvcompat.run.resolve import suite_hash
+    from kvcompat.run.workflow import run_cell
+    from kvcompat.sessions import cell_venv, prune_venv
+
+    check_options(values)
+    repo = open_repo(Path(values.repo))
+    state = root / ".kvcompat" / "bisect"
+    results_dir = state / "results"
+
+    @functools.cache
+    def listed() -> list[Version]:
+        return index.list_versions("vllm", cache_root=root, index_url=values.index_url)
+
+    releases = Releases(
+        listed=listed,
+        wheel=lambda v: index.download_wheel("vllm", v, root / ".kvcompat" / "wheels", values.index_url),
+        sdist=lambda v: upstream.download_sdist_cached(v, root / ".kvcompat" / "sdists", values.index_url),
+    )
+    history = History(repo, releases, root / ".kvcompat" / "candidates")
+    opts = RunOptions(
+        repo=root,
+        results_dir=results_dir,
+        force=values.force,
+        min_free_gb=values.min_free_gb,
+        disk_budget_gb=values.disk_budget,
+        find_links=values.find_links,
+        index_url=values.index_url,
+        upstream_index=values.index_url,
+    )
+    suite = suite_hash(root, opts.suite)
+
+    def overrides(base: str) -> tuple[str, ...]:
+        return q.base_entry(root / "pyproject.toml", base)[0]
+
+    def fingerprint(base: str) -> str:
+        return json.dumps({"suite": suite, "torch": values.torch, "overrides": list(overrides(base))}, sort_keys=True)
+
+    def run(overlay: Overlay) -> tuple[str, CellResult]:
+        entry = Entry(vllm=overlay.wheel, overrides=overrides(overlay.base), suites=("ours",), torch=(values.torch,))
+        (cell,) = resolve_cells(
+            [entry],
+            constraints_dir=root / "constraints",
+            cache_root=root,
+            index_url=values.index_url,
+            find_links=values.find_links,
+        )
+        result = run_cell(cell, cell_venv(root, cell), opts, progress=lambda s: say("    " + s))
+        # A commit's cell is answered from its result from now on: its venv and bytecode go (uv's cache keeps
+        # the wheels, and the overlaid wheel stays in .kvcompat/candidates for a rerun).
+        prune_venv(root, cell, lambda s: say("    " + s))
+        shutil.rmtree(CellFiles(opts.work_root / cell.id, results_dir, cell.id).bytecode, ignore_errors=True)
+        return cell.id, result
+
+    def load(cell: str) -> CellResult | None:
+        found = check_result(result_path(results_dir, cell))
+        return found if isinstance(found, CellResult) else None
+
+    answer = bisect_commits(
+        history,
+        values.good,
+        values.bad,
+        test=values.test,
+        run=run,
+        fingerprint=fingerprint,
+        records=Records(state / "commits", load),
+        force=values.force,
+        find_fix=bool(values.find_fix),
+        say=say,
+        resume=lambda good, bad: command_line("bisect", {**vars(values), "good": good, "bad": bad}),
+    )
+    say(render_answer(answer, repo))
+    return answer
