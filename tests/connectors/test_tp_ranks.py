@@ -86,27 +86,45 @@ def _tp2(make_engine):
     return engine
 
 
+def _send_read_by_one_rank_then_both(engine, nixl_agent, req_id: str) -> None:
+    """A prefill-side request on two ranks: finished, read on rank 0 only (it must stay held), then on
+    rank 1 too (it must be freed)."""
+    engine.scheduler.add_request(
+        va.make_request(req_id, token_ids(2 * BLOCK + 3), max_tokens=1, kv_transfer_params=va.remote_decode_params())
+    )
+    engine.run([req_id])
+    agents = list(nixl_agent.instances)
+    assert len(agents) == 2, f"{len(agents)} NIXL agents for two ranks"
+    agents[0].inject_notif("decode-agent-0", f"{req_id}:1".encode())
+    for _ in range(6):  # a notification is read in the step after it arrives
+        engine.step()
+    assert req_id in engine.scheduler.requests, "the send finished when only rank 0's half had been read"
+    agents[1].inject_notif("decode-agent-1", f"{req_id}:1".encode())
+    for _ in patient_steps(20):
+        if req_id not in engine.scheduler.requests:
+            break
+        engine.step()
+    assert req_id not in engine.scheduler.requests, "the send never finished once both ranks had been read"
+
+
 def test_a_send_finishes_only_when_both_ranks_have_been_read(make_engine, nixl_agent):
     """A prefill-side request on two ranks keeps its blocks while only rank 0's NIXL agent has heard
     that the decode side read its half; when rank 1's hears too, the send finishes, the blocks are
     freed, and the engine is back at its idle baseline."""
     engine = _tp2(make_engine)
-    engine.scheduler.add_request(
-        va.make_request("tp-send", token_ids(2 * BLOCK + 3), max_tokens=1, kv_transfer_params=va.remote_decode_params())
-    )
-    engine.run(["tp-send"])
-    agents = list(nixl_agent.instances)
-    assert len(agents) == 2, f"{len(agents)} NIXL agents for two ranks"
-    agents[0].inject_notif("decode-agent-0", b"tp-send:1")
-    for _ in range(6):  # a notification is read in the step after it arrives
-        engine.step()
-    assert "tp-send" in engine.scheduler.requests, "the send finished when only rank 0's half had been read"
-    agents[1].inject_notif("decode-agent-1", b"tp-send:1")
-    for _ in patient_steps(20):
-        if "tp-send" not in engine.scheduler.requests:
-            break
-        engine.step()
-    assert "tp-send" not in engine.scheduler.requests, "the send never finished once both ranks had been read"
+    _send_read_by_one_rank_then_both(engine, nixl_agent, "tp-send")
+    assert_no_leak(engine)
+
+
+def test_a_request_id_sent_again_after_its_send_finished_is_counted_afresh(make_engine, nixl_agent):
+    """A client may reuse a request id once its request is over (a retry of the same id): the second
+    send on two ranks is counted from scratch, held while one rank has been read, finished when both
+    have.  A count left over from the first send (the aggregator or a child still tracking the id)
+    finishes it too early or never."""
+    engine = _tp2(make_engine)
+    with setup_owned_by("test_a_send_finishes_only_when_both_ranks_have_been_read"):
+        _send_read_by_one_rank_then_both(engine, nixl_agent, "tp-again")
+    _send_read_by_one_rank_then_both(engine, nixl_agent, "tp-again")
     assert_no_leak(engine)
 
 
