@@ -90,6 +90,7 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name=f"e2e-{name}", daemon=True)
         self._reader.start()
         self.ready: dict | None = None
+        self.last_settle: dict = {}  # the last settle's answer (steps, probes, seconds): kept for the record
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -141,6 +142,43 @@ class EngineProcess:
             req["kv_transfer_params"] = kv_transfer_params
         self._send(req, stage)
         return self._wait(stage, timeout)
+
+    def ask(self, op: str, *, stage: str, timeout: float = STAGE_TIMEOUT_S, **fields: Any) -> dict:
+        """One op of the engine's protocol (kvcompat.testkit.e2e.engine): idle, settle, add, step, abort, drain."""
+        self.wait_ready()
+        self._send({"op": op, "stage": stage, **fields}, stage)
+        return self._wait(stage, timeout)
+
+    @property
+    def baseline(self) -> dict:
+        """The engine's idle state right after it started, before any request (free device blocks, pinned
+        CPU-tier blocks)."""
+        got = self.wait_ready().get("idle") or {}
+        if "error" in got:
+            raise EngineError(f"the {self.name} engine could not read its idle state: {got['error']}")
+        return got
+
+    def leaks(self, *, stage: str, timeout: float = 30.0) -> list[str]:
+        """What the engine still holds beyond its baseline once settled (stepped until idle or ``timeout``),
+        in words; empty when nothing leaked."""
+        base = self.baseline
+        t0 = time.monotonic()
+        got = self.ask("settle", stage=stage, baseline=base, timeout=timeout + STAGE_TIMEOUT_S, settle_s=timeout)
+        self.last_settle = {**got, "seconds": round(time.monotonic() - t0, 1)}
+        out = []
+        if got["free_device_blocks"] != base["free_device_blocks"]:
+            out.append(
+                f"{self.name}: {base['free_device_blocks'] - got['free_device_blocks']} device blocks still held "
+                f"({got['free_device_blocks']} free, {base['free_device_blocks']} at start)"
+            )
+        if got["pinned_cpu_blocks"] != base["pinned_cpu_blocks"]:
+            out.append(
+                f"{self.name}: {got['pinned_cpu_blocks'] - base['pinned_cpu_blocks']} CPU-tier blocks still pinned "
+                f"({got['pinned_cpu_blocks']} pinned, {base['pinned_cpu_blocks']} at start)"
+            )
+        if out:
+            out[-1] += f" after {got['steps']} steps and {got['probes']} probes"
+        return out
 
     def _send(self, req: dict, stage: str) -> None:
         assert self.proc.stdin is not None
