@@ -157,10 +157,15 @@ def test_zero_return_where_a_function_returns_a_number():
 
         def zero() -> int:
             return 0
+
+        def maybe(x) -> int | None:
+            if x:
+                return None
+            return x
         """
     )
     zero = {m.contract: m.replacement for m in made if "-zero-return-" in m.id}
-    assert zero == {"count": "0", "total": "0"}
+    assert zero == {"count": "0", "total": "0", "maybe": "0"}  # maybe's `return x`, not its None
 
 
 def test_asserts_raises_logging_and_fstrings_are_left_alone():

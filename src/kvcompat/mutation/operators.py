@@ -17,7 +17,8 @@ site and operator:
 * ``const``: an int literal k that is an operand of arithmetic or of a comparison made k+1
   (``n - 1`` becomes ``n - 2``, ``x > 0`` becomes ``x > 1``);
 * ``zero-return``: in a function that returns a number (annotated ``int`` / ``float``, or returning
-  arithmetic, a numeric literal, ``len``/``sum``/``min``/``max``/``cdiv``…), the returned value made ``0``.
+  arithmetic, a numeric literal, ``len``/``sum``/``min``/``max``/``cdiv``…), the returned value made ``0``
+  (a ``return None`` of an ``int | None`` function is left alone: None is not a number).
 
 Kept conservative, so that a file yields hundreds of mutants rather than thousands and few of them are
 equivalent by construction: ``assert`` and ``raise`` statements, logging calls (``logger.debug(...)`` and
@@ -352,7 +353,9 @@ def sites(fn: Function, text: Text) -> list[Site]:
                 found.append(Site("no-early-return", s, e, "pass", f"the early `{_first_line(src[s:e])}` dropped"))
             value = node.value
             owner = owners.get(id(node), fn.node)
-            if value is not None and not _is_zero(value) and (_numeric_annotation(owner) or _numeric_value(value)):
+            none = isinstance(value, ast.Constant) and value.value is None  # `-> int | None`'s None stays
+            numeric = _numeric_annotation(owner) or _numeric_value(value) if value is not None else False
+            if value is not None and not none and not _is_zero(value) and numeric:
                 vs, ve = text.span(value)
                 what = f"`{_first_line(src[s:e])}` made `return 0`"
                 found.append(Site("zero-return", vs, ve, "0", what))
