@@ -305,17 +305,19 @@ class History:
         if not differ:
             return base
         shipped = self.first_release_containing(commit)
-        if shipped and Version(shipped) > Version(base) and Version(shipped) in self.releases.listed():
-            if not self.compiled_changes(commit, shipped):
+        needed = "no release contains it yet: build a wheel of the commit"
+        if shipped and Version(shipped) > Version(base):
+            if Version(shipped) not in self.releases.listed():
+                needed = f"vllm {shipped} contains it but is not on the index: build a wheel of the commit"
+            elif self.compiled_changes(commit, shipped):
+                needed = (
+                    f"vllm {shipped}, the first release that contains it, has other compiled changes too: "
+                    "build a wheel of the commit"
+                )
+            else:
                 return shipped
-            needed = (
-                f"vllm {shipped}, the first release that contains it, has other compiled changes too: "
-                "build a wheel of the commit"
-            )
         elif shipped:
-            needed = f"its compiled parts ship in vllm {shipped} (not on the index): build a wheel of the commit"
-        else:
-            needed = "no release contains it yet: build a wheel of the commit"
+            needed = f"build a wheel of the commit (vllm {shipped} contains it, but is not newer than {base})"
         shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
         raise Refused(
             f"{commit.label} changes compiled sources relative to vllm {base} ({shown}): its Python cannot be laid "
@@ -621,12 +623,12 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
         index_url=values.index_url,
         upstream_index=values.index_url,
     )
-    suite = suite_hash(root, opts.suite)
 
     def overrides(base: str) -> tuple[str, ...]:
         return q.base_entry(root / "pyproject.toml", base)[0]
 
-    def fingerprint(base: str) -> str:
+    def fingerprint(base: str) -> str:  # at each step: the suite a cell would run now
+        suite = suite_hash(root, opts.suite)
         return json.dumps({"suite": suite, "torch": values.torch, "overrides": list(overrides(base))}, sort_keys=True)
 
     def run(overlay: Overlay) -> tuple[str, CellResult]:

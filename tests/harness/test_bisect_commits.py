@@ -390,6 +390,7 @@ def _edit(repo: Path, rel: str, old: str | None, new: str) -> dict[str, str]:
 def test_real_history_on_the_0_34_0_sdist(tmp_path):
     """Four commits after v0.34.0 (the sdist as released), the third drops a statement; then a kernel edit."""
     from kvcompat import upstream
+    from kvcompat.run.resolve import suite_hash
 
     sdist = upstream.download_sdist_cached("0.34.0", REPO / ".kvcompat" / "sdists")  # hash-checked, builds nothing
     with tarfile.open(sdist) as tar:
@@ -413,6 +414,7 @@ def test_real_history_on_the_0_34_0_sdist(tmp_path):
             timeout=1800,
         )
 
+    suite = suite_hash(REPO, "tests/connectors")  # what the records are kept under
     t0 = time.monotonic()
     proc = kvcompat("v0.34.0", shas[4])
     out = proc.stdout + proc.stderr
@@ -423,9 +425,12 @@ def test_real_history_on_the_0_34_0_sdist(tmp_path):
     assert "cells evaluated: 4 (at most 4: ceil(log2 4) + 2 for 4 commits)" in out
     assert f"modified +1     -1     {MC}" in out
 
-    again = kvcompat("v0.34.0", shas[4])
-    assert again.returncode == 0 and f"first bad commit: {shas[3]}" in again.stdout, again.stdout + again.stderr
-    assert again.stdout.count("answered from") == 4  # every step from its result: nothing built or run
+    if suite_hash(REPO, "tests/connectors") == suite:  # else someone edited the suite meanwhile: cells run again
+        t0 = time.monotonic()
+        again = kvcompat("v0.34.0", shas[4])
+        assert again.returncode == 0 and f"first bad commit: {shas[3]}" in again.stdout, again.stdout + again.stderr
+        assert again.stdout.count("answered from") == 4  # every step from its result: nothing built or run
+        print(f"again, answered from the records: {time.monotonic() - t0:.0f}s")
 
     refused = kvcompat("v0.34.0", shas[5])
     line = one_line_error(refused)
