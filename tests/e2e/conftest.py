@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from workload import CONTROL, MAX_TOKENS, PROMPTS, REMOTE_DECODE, engine_specs
+from workload import CONTROL, MAX_TOKENS, PROMPTS, REMOTE_DECODE, engine_specs, key
 
 from kvcompat.testkit import record_fact
 from kvcompat.testkit.e2e import engines, model
@@ -65,6 +65,24 @@ ENGINES_OF = {
     "test_repeated_prompts_are_served_from_the_cpu_tier_with_the_reference_tokens": ("reference", "round-trip"),
     "test_prefill_then_decode_over_nixl_gives_the_reference_tokens": ("reference", "prefill", "decode"),
     "test_the_decode_uses_the_transferred_kv": ("reference", "prefill", "decode"),
+    # tests/e2e/test_serving.py
+    "test_every_engine_reads_its_idle_state_at_start": ("reference", "round-trip", "prefill", "decode"),
+    "test_concurrent_requests_across_prefill_and_decode_give_the_reference_and_leak_nothing": (
+        "reference",
+        "prefill",
+        "decode",
+    ),
+    "test_prompt_length_edges_over_nixl_give_the_reference": ("reference", "prefill", "decode"),
+    "test_prompt_length_edges_through_the_cpu_tier_give_the_reference": ("reference", "round-trip"),
+    "test_a_prefill_loads_from_its_cpu_tier_then_sends_over_nixl": ("reference", "prefill", "decode"),
+    "test_kv_received_over_nixl_is_kept_in_the_decode_cpu_tier_and_served_from_it": (
+        "reference",
+        "prefill",
+        "decode",
+    ),
+    "test_a_decode_aborted_while_waiting_for_remote_kv_leaks_nothing": ("reference", "prefill", "decode"),
+    "test_a_prefill_aborted_mid_prefill_leaks_nothing": ("reference", "prefill", "decode"),
+    "test_metrics_move_as_the_workload_says": ("reference", "prefill", "decode"),
 }
 
 
@@ -101,8 +119,23 @@ def reference_tokens(fleet) -> dict[str, list[int]]:
 @pytest.fixture(scope="session")
 def prefilled(fleet) -> dict[str, dict]:
     """Prompt -> the kv_transfer_params the prefill engine returned for it (max_tokens=1, do_remote_decode)."""
-    prompts = PROMPTS + CONTROL
+    prompts = PROMPTS + CONTROL[:1]  # only what a decode reads: a prefill never read holds its blocks
     got = fleet.prefill.generate(
         prompts, stage="prefill", max_tokens=1, kv_transfer_params=[dict(REMOTE_DECODE) for _ in prompts]
     )
     return {p: o["kv_transfer_params"] for p, o in zip(prompts, got["outputs"], strict=True)}
+
+
+@pytest.fixture(scope="session")
+def reference_of(fleet):
+    """Prompts -> a plain engine's greedy tokens for each (MAX_TOKENS of them), asked once per prompt."""
+    known: dict[str, list[int]] = {}
+
+    def tokens(prompts: list) -> list[list[int]]:
+        new = [p for p in prompts if key(p) not in known]
+        if new:
+            got = fleet.reference.generate(new, stage="reference", max_tokens=MAX_TOKENS)
+            known.update({key(p): o["token_ids"] for p, o in zip(new, got["outputs"], strict=True)})
+        return [known[key(p)] for p in prompts]
+
+    return tokens

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 
 from kvcompat.testkit.e2e import model
+from kvcompat.testkit.e2e.engine import BLOCK_SIZE, MAX_MODEL_LEN
 
 MAX_TOKENS = 16
 # Four prompts of 100..160 words (one token per word with the tiny tokenizer): 4-6 blocks of 32.
@@ -16,23 +19,87 @@ FILLERS = [model.prompt(100 + i, 150) for i in range(4)]
 ROUND_TRIP_DEVICE_BLOCKS = 20
 CPU_BLOCKS = 64
 PD_DEVICE_BLOCKS = 48
+# The prefill engine's token budget per step, below its longer prompts: chunked prefill, so a request can
+# be caught (and aborted) mid-prefill.
+PREFILL_TOKENS_PER_STEP = 128
+
+
+def tokens(i: int, n: int, prefix: dict | None = None) -> dict:
+    """A prompt of exactly ``n`` tokens (a TokensPrompt), deterministic in ``i``; after ``prefix``'s tokens
+    when given (a shared prefix)."""
+    rng = random.Random(model.SEED + 10_000 + i)
+    head = list(prefix["prompt_token_ids"]) if prefix else []
+    return {"prompt_token_ids": head + [rng.randrange(4, model.VOCAB_SIZE) for _ in range(n - len(head))]}
+
+
+def key(prompt: str | dict) -> str:
+    """A prompt as a dict key (the reference's)."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt["prompt_token_ids"])
+
+
+def n_tokens(prompt: dict) -> int:
+    return len(prompt["prompt_token_ids"])
+
+
+# Prompt-length edges: shorter than one block, exactly blocks, one token over, and as long as the model
+# takes with MAX_TOKENS to generate.
+EDGES = {
+    "under one block": tokens(200, BLOCK_SIZE - 12),
+    "exactly 4 blocks": tokens(201, 4 * BLOCK_SIZE),
+    "4 blocks + 1 token": tokens(202, 4 * BLOCK_SIZE + 1),
+    "near max length": tokens(203, MAX_MODEL_LEN - MAX_TOKENS),
+}
+# Ten requests of mixed lengths, two groups sharing a two-block prefix: more than the eight a side runs.
+_SHARED = [tokens(300, 2 * BLOCK_SIZE), tokens(301, 2 * BLOCK_SIZE)]
+CONCURRENT = [
+    tokens(310 + i, n, _SHARED[i % 2] if i < 6 else None)
+    for i, n in enumerate([70, 100, 130, 160, 190, 250, 40, 90, 140, 300])
+]
+# Interplay: a prompt the prefill serves from its CPU tier, one the decode keeps in its CPU tier.
+FROM_PREFILL_CPU_TIER = tokens(400, 6 * BLOCK_SIZE + 8)
+INTO_DECODE_CPU_TIER = tokens(401, 6 * BLOCK_SIZE + 8)
+# Metrics: one prompt through P/D, then to the decode alone from its CPU tier.
+METRICS = tokens(402, 6 * BLOCK_SIZE + 8)
+# Abort scenarios: the request aborted (long, so mid-prefill is several steps) and two that must finish.
+ABORT_DECODE = [tokens(500, 160), tokens(501, 130), tokens(502, 100)]
+ABORT_PREFILL = [tokens(510, 15 * BLOCK_SIZE), tokens(511, 130), tokens(512, 100)]
+
+
+def pd_fillers(seed: int) -> list[dict]:
+    """Prompts that evict everything from a P/D engine's device blocks (52 fresh blocks > 48), not from
+    its CPU tier (64 blocks, least recently used first)."""
+    return [tokens(seed + i, 13 * BLOCK_SIZE) for i in range(4)]
+
+
+def round_trip_fillers(seed: int) -> list[dict]:
+    """Prompts that evict everything from the round trip's 20 device blocks (28 fresh blocks)."""
+    return [tokens(seed + i, 7 * BLOCK_SIZE) for i in range(4)]
 
 
 def engine_specs(model_dir, *, log_stats: bool = False) -> dict[str, dict]:
     """The suite's four engines by name (kvcompat.testkit.e2e.engine specs); the benchmark's floor builds
-    the same ones.  Stats logging stays LLM's default (off) unless asked for (see engine.build_llm)."""
+    the same ones.  Stats logging stays LLM's default (off) unless asked for (see engine.build_llm), but
+    for the prefill and the decode, which log stats where the release's in-process engine core can
+    ("auto": engine.stats_in_process), for the metrics contract."""
     plain = {"model": str(model_dir), "log_stats": log_stats}
     multi = {**plain, "connector": "multi", "cpu_blocks": CPU_BLOCKS}
+    pd = {**multi, "log_stats": log_stats or "auto"}
     return {
         "reference": plain,
         "round-trip": {**multi, "num_gpu_blocks": ROUND_TRIP_DEVICE_BLOCKS, "engine_id": "kvcompat-round-trip"},
-        "prefill": {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-prefill"},
-        "decode": {**multi, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-decode"},
+        "prefill": {
+            **pd,
+            "num_gpu_blocks": PD_DEVICE_BLOCKS,
+            "engine_id": "kvcompat-prefill",
+            "max_num_batched_tokens": PREFILL_TOKENS_PER_STEP,
+        },
+        "decode": {**pd, "num_gpu_blocks": PD_DEVICE_BLOCKS, "engine_id": "kvcompat-decode"},
     }
 
 
-# A negative control of our proxy step (tests/harness/test_e2e_control.py): "pd-wrong-blocks" hands
-# the decode the prefill's blocks in reverse order, a transfer of the wrong blocks.
+# Negative controls of our proxy step (tests/harness/test_e2e_control.py): "pd-wrong-blocks" hands
+# the decode the prefill's blocks in reverse order, a transfer of the wrong blocks; "pd-no-transfer" hands
+# it nothing, so it computes the prompt itself (right tokens, no transfer: the metrics must say so).
 PROXY_FAULT_ENV = "KVCOMPAT_E2E_PROXY_FAULT"
 
 
@@ -46,8 +113,10 @@ REMOTE_DECODE = {
 }
 
 
-def proxy_params(kv_transfer_params: dict) -> dict:
+def proxy_params(kv_transfer_params: dict) -> dict | None:
     """What vLLM's proxy hands the decode: the prefill's kv_transfer_params, as returned."""
+    if os.environ.get(PROXY_FAULT_ENV) == "pd-no-transfer":  # the decode computes the prompt itself
+        return None
     params = dict(kv_transfer_params)
     if os.environ.get(PROXY_FAULT_ENV) == "pd-wrong-blocks":
         params["remote_block_ids"] = _reversed_blocks(params.get("remote_block_ids"))
