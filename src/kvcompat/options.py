@@ -285,6 +285,15 @@ OPTIONS: tuple[Option, ...] = (
         metavar="GROUPS",
     ),
     Option(
+        "--fork",
+        "import the release once per batch of mutants and run each mutant in a forked child with its code "
+        "swapped in (kvcompat.mutation.forkrun): our suite in seconds a mutant; a change outside any function "
+        "runs the usual way",
+        ("mutants",),
+        switch=True,
+        default=False,
+    ),
+    Option(
         "--upstream-only",
         "score the mutants against the upstream column only, keeping our suite's verdicts of the previous run",
         ("mutants",),

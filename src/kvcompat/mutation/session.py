@@ -99,6 +99,8 @@ class MutationOptions:
     targets: tuple[str, ...] = tg.DEFAULT_GROUPS
     # Coverage-based test selection (kvcompat.mutation.covmap); False: every mutant runs the whole suite.
     select_tests: bool = True
+    # Score our suite in forked children of one pytest per batch (kvcompat.mutation.forkrun).
+    fork: bool = False
 
     MIN_TIMEOUT_S = 120.0
 
@@ -490,6 +492,7 @@ def _score_group(
     t0, runs = time.monotonic(), 0
     if len(g.planned) and g.name != "multi":
         ctx.say(f"{g.name}: {len(g.planned)} mutants in {len(g.sources)} files ({run.selection or 'whole suite'})")
+    forked = _Forked(ctx, g, passed, site, timeout) if mo.fork else None
     for n, p in enumerate(g.planned, 1):
         twin = decided.get(getattr(p.mutant, "same_as", None) or "")
         guard = Guard(site, state, p.target)
@@ -497,7 +500,8 @@ def _score_group(
             verdict = _same_as(p, twin)
         else:
             before = g.ours_before.get(p.mutant.id)
-            verdict = before or _score(ctx, guard, p, passed, killers, _lines(g, "ours", p))
+            verdict = before or (forked and forked.verdict(n - 1))
+            verdict = verdict or _score(ctx, guard, p, passed, killers, _lines(g, "ours", p))
             runs += before is None and verdict.status in (KILLED, SURVIVED) and verdict.how != UNREACHED
             if upstream is not None and verdict.status in (KILLED, SURVIVED):
                 verdict.upstream = upstream(guard, p, _lines(g, "upstream", p))
@@ -518,6 +522,123 @@ def _score_group(
         f"{f' ({run.not_reached} of them reached by no test)' if run.not_reached else ''}, "
         f"{c[NOT_APPLICABLE]} not applicable, {c[EQUIVALENT]} equivalent{absent}; wrote {_rel(g.out, mo.repo)}"
     )
+
+
+class _Forked:
+    """Our suite's verdicts of a group's mutants, scored in batches by kvcompat.mutation.forkrun: one pytest
+    imports the release once per batch and forks a child per mutant.  A mutant it cannot swap in (a change
+    outside any function) gets no verdict here and is scored the usual way."""
+
+    BATCH = 40  # mutants a pytest: its import is paid once per batch, a killed pytest loses one batch
+
+    def __init__(self, ctx: CellContext, g: _Group, passed: list[str], site: Path, timeout: float) -> None:
+        self.ctx, self.g, self.passed, self.site, self.timeout = ctx, g, passed, site, timeout
+        self.answers: dict[str, dict] = {}
+        self.batched: set[int] = set()
+
+    def _module(self, target: str) -> str:
+        return target.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+    def _runnable(self, i: int) -> bool:
+        p = self.g.planned[i]
+        return p.mutated is not None and not p.mutant.equivalent and not getattr(p.mutant, "same_as", None)
+
+    def _batch_from(self, start: int) -> None:
+        plan, picked = [], []
+        for i in range(start, len(self.g.planned)):
+            if len(plan) >= self.BATCH:
+                break
+            if i in self.batched or not self._runnable(i):
+                continue
+            p = self.g.planned[i]
+            chosen = _select(_lines(self.g, "ours", p), p, self.passed)
+            self.batched.add(i)
+            if not chosen.reached:
+                continue  # decided without a run (_score says so)
+            tests = None if chosen.tests is None else list(chosen.tests)
+            plan.append(
+                {
+                    "id": p.mutant.id,
+                    "module": self._module(p.target),
+                    "source": p.mutated,
+                    "tests": tests,
+                    "timeout": self.timeout,
+                    "why": chosen.why,
+                }
+            )
+            picked.append(i)
+        if not plan:
+            return
+        work = self.ctx.files.work
+        work.mkdir(parents=True, exist_ok=True)
+        plan_path, out = work / "fork-plan.json", work / "fork-out.jsonl"
+        plan_path.write_text(json.dumps(plan))
+        out.unlink(missing_ok=True)
+        run = _suite_run(
+            self.ctx,
+            "-p",
+            "kvcompat.mutation.forkrun",
+            f"--kvcompat-fork-plan={plan_path}",
+            f"--kvcompat-fork-out={out}",
+        )
+        cmd = [
+            self.ctx.python,
+            "-m",
+            "pytest",
+            run.path,
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            f"--rootdir={run.cwd}",
+            *run.args,
+            *self.ctx.opts.pytest_args,
+        ]
+        self.ctx.say(f"fork: {len(plan)} mutants in one pytest (the release imported once)")
+        self.ctx.sh(cmd, timeout=60.0 + self.timeout * len(plan), phase="test", env=run.env, cwd=run.cwd)
+        whys = {m["id"]: m["why"] for m in plan}
+        for line in out.read_text().splitlines() if out.exists() else []:
+            answer = json.loads(line)
+            answer["why"] = whys.get(answer["id"], "")
+            self.answers[answer["id"]] = answer
+
+    def verdict(self, i: int) -> MutantVerdict | None:
+        """Our suite's verdict of planned mutant ``i``, or None: score it the usual way."""
+        if not self._runnable(i):
+            return None
+        if i not in self.batched:
+            self._batch_from(i)
+        p = self.g.planned[i]
+        answer = self.answers.get(p.mutant.id)
+        if answer is None or "unswappable" in answer:
+            return None
+        base = {**_base(p), "seconds": answer["seconds"]}
+        tests = answer.get("tests", [])
+        base["tests_run"] = len(tests)
+        if answer.get("timeout"):
+            return MutantVerdict(
+                **base,
+                status=KILLED,
+                killed_by="timeout",
+                how="timeout",
+                detail=f"the forked child ran past {self.timeout:.0f}s",
+            )
+        green = set(self.passed)
+        killed = [t for t in tests if t["nodeid"] in green and t["outcome"] not in STILL_GREEN]
+        if killed:
+            t = killed[0]
+            return MutantVerdict(
+                **base,
+                status=KILLED,
+                killed_by=t["nodeid"],
+                how="test",
+                detail=f"{t['outcome']}: {headline(t['message'])}"[:400],
+            )
+        if "crash" in answer:
+            return MutantVerdict(**base, status=KILLED, killed_by="crash", how="crash", detail=answer["crash"][-400:])
+        green_now = sum(1 for t in tests if t["outcome"] in STILL_GREEN)
+        return MutantVerdict(
+            **base, status=SURVIVED, detail=f"{answer['why']}; {green_now}/{len(tests)} of them passed"
+        )
 
 
 def _timing(baseline_s: float, mutants_s: float, decided: int, runs: int) -> dict:
@@ -973,6 +1094,7 @@ def options_for(root: Path, values, pytest_args: list[str] = ()) -> MutationOpti
         find_links=tuple(values.find_links),
         pytest_args=tuple(pytest_args),
         upstream_only=bool(values.upstream_only),
+        fork=bool(getattr(values, "fork", False)),
         targets=tg.check_groups(tuple(getattr(values, "target", ()) or tg.DEFAULT_GROUPS)),
     )
 

@@ -1,0 +1,115 @@
+"""Benchmark: our suite's mutation verdicts the usual way and forked, on the same mutants, side by side.
+
+    python benchmarks/mutation_fork_bench.py [--cell "vllm_0_34_0 and torch_2_14_0"] [--target aggregator]
+        [--target offload] [--sample 40] [--transfer-wait 5]
+
+Needs the cell run once (`nox -s matrix -k CELL`).  Takes the first SAMPLE mutants of the groups that a test
+reaches (decided by the stored coverage map: a mutant no test reaches is not run either way), then scores
+them twice in one run, our suite only (the upstream column is left out of both):
+  usual : one pytest per mutant, the mutated file swapped on disk (nox -s mutants)
+  fork  : one pytest per batch, the release imported once, a forked child per mutant (nox -s mutants --fork)
+Prints seconds a mutant for each, the ratio, and every mutant whose verdict differs (goal: none, and the
+forked run at most 2 s a mutant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+
+def _verdicts(path: Path) -> dict[str, tuple[str, str | None]]:
+    data = json.loads(path.read_text())
+    return {m["id"]: (m["status"], m.get("how")) for m in data["mutants"]}
+
+
+def main() -> int:
+    from kvcompat import options, sessions
+    from kvcompat.errors import one_line_errors
+    from kvcompat.mutation import session as mutation
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cell", default="vllm_0_34_0 and torch_2_14_0")
+    ap.add_argument("--target", action="append", default=[], help="a group (repeatable; default aggregator, offload)")
+    ap.add_argument("--sample", type=int, default=40, help="mutants a test reaches, taken in file order")
+    ap.add_argument(
+        "--transfer-wait", type=float, default=None, help="KVCOMPAT_TRANSFER_WAIT_S for both (a quiet machine)"
+    )
+    args = ap.parse_args()
+    if args.transfer_wait is not None:  # the suite's wall-time wait for other threads' work, both ways alike
+        import os
+
+        os.environ["KVCOMPAT_TRANSFER_WAIT_S"] = str(args.transfer_wait)
+        print(f"KVCOMPAT_TRANSFER_WAIT_S={args.transfer_wait} for both", flush=True)
+    groups = tuple(args.target or ("aggregator", "offload"))
+    with one_line_errors():
+        values, _ = options.parse("mutants", [])
+        (cell,) = mutation.select_cells(list(sessions.matrix_cells(REPO, values)), args.cell)
+        cell = dataclasses.replace(cell, suites=("ours",))  # our suite only, both ways
+        with tempfile.TemporaryDirectory() as tmp:
+            ids = _sample(cell, values, groups, args.sample, Path(tmp))
+            print(f"sample: {len(ids)} mutants of {', '.join(groups)} that a test reaches", flush=True)
+            timed = {}
+            for mode in ("usual", "fork"):
+                out = Path(tmp) / mode
+                mo = dataclasses.replace(
+                    mutation.options_for(REPO, values),
+                    results_dir=out,
+                    targets=groups,
+                    only=tuple(ids),
+                    fork=mode == "fork",
+                )
+                t0 = time.monotonic()
+                runs = mutation.run_targets(cell, mo, progress=lambda line: None)
+                seconds = time.monotonic() - t0
+                mutants_s = sum(r.timing.get("mutants_s", 0.0) for r in runs if r.timing)
+                verdicts: dict = {}
+                for f in out.glob("mutants-*.json"):
+                    if ".coverage-" not in f.name:
+                        verdicts.update(_verdicts(f))
+                timed[mode] = (seconds, mutants_s, {i: verdicts.get(i) for i in ids})
+                print(
+                    f"{mode:5}: {mutants_s / len(ids):5.2f} s a mutant ({mutants_s:.0f} s for the mutants, "
+                    f"{seconds:.0f} s in all with the baseline)",
+                    flush=True,
+                )
+    (_, usual_s, usual), (_, fork_s, fork) = timed["usual"], timed["fork"]
+    differ = [i for i in ids if (usual[i] or ("?",))[0] != (fork[i] or ("?",))[0]]
+    print(f"fork / usual: {fork_s / usual_s:.2f}x; verdicts identical on {len(ids) - len(differ)} of {len(ids)}")
+    for i in differ:
+        print(f"  differs: {i}: usual {usual[i]}, fork {fork[i]}")
+    return 1 if differ else 0
+
+
+def _sample(cell, values, groups: tuple[str, ...], n: int, tmp: Path) -> list[str]:
+    """The first ``n`` mutants of ``groups`` that a test reaches and that were run, as a previous
+    `nox -s mutants --target GROUP` recorded them in results/ (run one first if there is none); its coverage
+    maps are copied beside both runs' results, so neither measures coverage again."""
+    import shutil
+
+    ids = []
+    for group in groups:
+        for f in (REPO / "results").glob(f"mutants-{cell.id}.coverage-{group}.json"):
+            for mode in ("usual", "fork"):
+                (tmp / mode).mkdir(parents=True, exist_ok=True)
+                shutil.copy(f, tmp / mode / f.name)
+        path = REPO / "results" / f"mutants-{cell.id}--{group}.json"
+        if not path.exists():
+            raise SystemExit(f"error: no {path.name}; run `nox -s mutants -- -k '{cell.id}' --target {group}` first")
+        for m in json.loads(path.read_text())["mutants"]:
+            ran = m["status"] in ("killed", "survived") and m.get("how") != "unreached"
+            if ran and not (m.get("detail") or "").startswith("the same program as"):
+                ids.append(m["id"])
+    return ids[:n]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""In-cell pytest plugin of a mutation session: many mutants in one pytest, each in a forked child.
+
+Loaded with ``-p kvcompat.mutation.forkrun --kvcompat-fork-plan=PLAN --kvcompat-fork-out=OUT`` in the
+session's venv (kvcompat.mutation.session is the harness's side).  The parent collects the suite and
+imports vLLM once (CpuPlatform first, then every target module, pristine); then, per mutant of PLAN
+(a JSON list of ``{"id", "module", "source", "tests", "timeout"}``), it forks.  The child swaps the
+mutated source's code into the module's existing functions and methods (``__code__``, so every
+reference anyone holds sees the mutant, exactly as a mutated file on disk would once imported), runs
+the mutant's tests (``tests``: node ids; null: the whole suite) in the order given, stops at the first
+failure, and reports each test's outcome through a pipe.  The parent appends one JSON line per mutant
+to OUT: ``{"id", "tests": [{"nodeid", "outcome", "message"}], "seconds"}`` plus ``"timeout": true``
+(the child was killed after ``timeout`` seconds), ``"crash": "…"`` (it died without answering) or
+``"unswappable": [names]`` (a change outside any function: the harness runs that mutant the slow way).
+
+Nothing is written to the installed files: the pristine module stays on disk and in the parent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import select
+import signal
+import time
+import traceback
+import types
+from pathlib import Path
+
+import pytest
+
+from kvcompat.outcomes import NOT_APPLICABLE_PREFIX
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvcompat-fork")
+    group.addoption("--kvcompat-fork-plan", default=None, help="mutants to run, one forked child each (JSON)")
+    group.addoption("--kvcompat-fork-out", default=None, help="one JSON line per mutant is appended here")
+
+
+# -- swapping a module's code ----------------------------------------------------------------------
+
+
+def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    return a.co_code == b.co_code and a.co_consts == b.co_consts and a.co_names == b.co_names
+
+
+def _move_code(old: object, new: object, where: str, problems: list[str]) -> None:
+    if not (isinstance(old, types.FunctionType) and isinstance(new, types.FunctionType)):
+        return
+    if _same_code(old.__code__, new.__code__):
+        return
+    if old.__code__.co_freevars != new.__code__.co_freevars:
+        problems.append(where)
+        return
+    old.__code__ = new.__code__
+    old.__defaults__, old.__kwdefaults__ = new.__defaults__, new.__kwdefaults__
+
+
+def _function_of(value: object) -> object:
+    if isinstance(value, staticmethod | classmethod):
+        return value.__func__
+    return getattr(value, "__wrapped__", None) if not isinstance(value, types.FunctionType) else value
+
+
+def _equal(a: object, b: object) -> bool:
+    try:
+        return bool(a is b or a == b)
+    except Exception:  # noqa: BLE001 - an odd __eq__: count it as a change that cannot be moved
+        return False
+
+
+def swap_module(module: types.ModuleType, source: str) -> list[str]:
+    """Give ``module``'s functions and methods the code of ``source`` (the module's file, mutated), in
+    place.  Returns the names whose change cannot be moved that way (module- or class-level values,
+    closures that differ); empty when the module now behaves as ``source`` would."""
+    ns: dict = {
+        "__name__": module.__name__,
+        "__package__": module.__package__,
+        "__file__": module.__file__,
+        "__spec__": module.__spec__,
+        "__builtins__": __builtins__,
+    }
+    exec(compile(source, module.__file__ or module.__name__, "exec"), ns)  # noqa: S102 - the release's own code
+    problems: list[str] = []
+    for name, new in ns.items():
+        if name.startswith("__") or name not in module.__dict__:
+            continue
+        old = module.__dict__[name]
+        if isinstance(new, types.FunctionType):
+            _move_code(old, new, name, problems)
+        elif isinstance(new, type) and isinstance(old, type) and new.__module__ == module.__name__:
+            for attr, nv in vars(new).items():
+                ov = vars(old).get(attr)
+                if attr.startswith(("__", "_abc_")) and not isinstance(nv, types.FunctionType):
+                    continue  # the class machinery's own slots (__dict__, __weakref__, ABC caches): new objects
+                if isinstance(nv, property) and isinstance(ov, property):
+                    for part in ("fget", "fset", "fdel"):
+                        _move_code(getattr(ov, part), getattr(nv, part), f"{name}.{attr}", problems)
+                elif ov is not None and _function_of(nv) is not None:
+                    _move_code(_function_of(ov), _function_of(nv), f"{name}.{attr}", problems)
+                elif ov is not None and not callable(nv) and not isinstance(nv, property) and not _equal(nv, ov):
+                    problems.append(f"{name}.{attr}")
+        elif not isinstance(new, types.ModuleType) and not callable(new) and not _equal(new, old):
+            problems.append(name)
+    return problems
+
+
+# -- running one mutant in a child ------------------------------------------------------------------
+
+
+def _outcome(reports: list) -> tuple[str, str]:
+    """One test's outcome from its setup/call/teardown reports, as the cell's plugin names them."""
+    for rep in reports:
+        if rep.failed:
+            return ("failed" if rep.when == "call" else "error"), str(rep.longrepr)[-2000:]
+    for rep in reports:
+        if rep.skipped:
+            reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+            return ("not_applicable" if NOT_APPLICABLE_PREFIX in reason else "skipped"), reason
+    return "passed", ""
+
+
+def _child(items: list, module: types.ModuleType, source: str, wfd: int) -> None:
+    from _pytest.runner import runtestprotocol
+
+    answer: dict = {"tests": []}
+    try:
+        problems = swap_module(module, source)
+        if problems:
+            answer = {"unswappable": problems}
+        else:
+            for i, item in enumerate(items):
+                reports = runtestprotocol(item, nextitem=items[i + 1] if i + 1 < len(items) else None, log=False)
+                outcome, message = _outcome(reports)
+                answer["tests"].append({"nodeid": item.nodeid, "outcome": outcome, "message": message})
+                if outcome not in ("passed", "not_applicable"):
+                    break
+    except BaseException:  # noqa: BLE001 - whatever the mutant does, the parent gets a line
+        answer = {"crash": traceback.format_exc()[-2000:], **answer}
+    data = json.dumps(answer).encode()
+    while data:
+        data = data[os.write(wfd, data) :]
+    os._exit(0)
+
+
+def _read_answer(pid: int, rfd: int, timeout: float) -> dict:
+    deadline, data = time.monotonic() + timeout, b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return {"timeout": True}
+        ready, _, _ = select.select([rfd], [], [], min(left, 1.0))
+        if ready:
+            chunk = os.read(rfd, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        return {"crash": f"the child died without answering (wait status {status})"}
+    return json.loads(data)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session):
+    plan_path = session.config.getoption("--kvcompat-fork-plan")
+    if not plan_path:
+        return None
+    if importlib.util.find_spec("vllm") is not None:  # a cell: CpuPlatform first, as the suite's fixture does
+        from kvcompat.testkit import adapter as va
+
+        va.select_cpu_platform()
+    plan = json.loads(Path(plan_path).read_text())
+    out = Path(session.config.getoption("--kvcompat-fork-out"))
+    by_id = {item.nodeid: item for item in session.items}
+    killers: list[str] = []
+    for mutant in plan:
+        module = importlib.import_module(mutant["module"])
+        wanted = mutant["tests"] if mutant["tests"] is not None else list(by_id)
+        ordered = [n for n in killers if n in wanted] + [n for n in wanted if n not in killers]
+        items = [by_id[n] for n in ordered if n in by_id]
+        t0 = time.monotonic()
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(rfd)
+            _child(items, module, mutant["source"], wfd)
+        os.close(wfd)
+        try:
+            answer = _read_answer(pid, rfd, float(mutant["timeout"]))
+        finally:
+            os.close(rfd)
+        answer.update(id=mutant["id"], seconds=round(time.monotonic() - t0, 2))
+        for t in answer.get("tests", []):
+            if t["outcome"] not in ("passed", "not_applicable") and t["nodeid"] not in killers:
+                killers.insert(0, t["nodeid"])
+        with out.open("a") as f:
+            f.write(json.dumps(answer) + "\n")
+    return True

@@ -1,0 +1,157 @@
+"""kvcompat.mutation.forkrun: a mutated source's code swapped into a live module, and a mutant per forked child."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvcompat.mutation.forkrun import swap_module
+
+SOURCE = textwrap.dedent(
+    """
+    import dataclasses
+
+    LIMIT = 2
+
+    def top(x):
+        return x + 1
+
+    class Counter:
+        kind = "plain"
+
+        def __init__(self):
+            self.n = 0
+
+        def add(self, k):
+            if k > 0:
+                self.n += k
+            return self.n
+
+        @property
+        def double(self):
+            return 2 * self.n
+
+        @staticmethod
+        def unit():
+            return 1
+
+        @classmethod
+        def make(cls):
+            return cls()
+
+    @dataclasses.dataclass
+    class Point:
+        x: int = 0
+
+        def norm(self):
+            return abs(self.x)
+    """
+)
+
+
+@pytest.fixture
+def module(tmp_path, monkeypatch):
+    (tmp_path / "swapme.py").write_text(SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("swapme", None)
+    mod = importlib.import_module("swapme")
+    yield mod
+    sys.modules.pop("swapme", None)
+
+
+def test_a_method_change_reaches_objects_and_references_made_before(module):
+    counter, add = module.Counter(), module.Counter.add
+    assert swap_module(module, SOURCE.replace("if k > 0:", "if k > 1:")) == []
+    assert counter.add(1) == 0, "an instance made before the swap runs the mutated method"
+    assert add(module.Counter(), 1) == 0, "a reference taken before the swap runs the mutated method"
+
+
+def test_functions_properties_static_and_class_methods_are_swapped(module):
+    mutated = (
+        SOURCE.replace("return x + 1", "return x + 2")
+        .replace("return 2 * self.n", "return 3 * self.n")
+        .replace("return 1\n", "return 5\n")
+        .replace("return abs(self.x)", "return -abs(self.x)")
+    )
+    assert swap_module(module, mutated) == []
+    c = module.Counter()
+    c.add(2)
+    assert (module.top(1), c.double, module.Counter.unit(), module.Point(3).norm()) == (3, 6, 5, -3)
+    assert isinstance(module.Counter.make(), module.Counter)
+
+
+def test_an_unchanged_source_changes_nothing(module):
+    before = module.Counter.add.__code__
+    assert swap_module(module, SOURCE) == []
+    assert module.Counter.add.__code__ is before
+
+
+def test_changes_outside_any_function_are_named_not_half_applied(module):
+    assert swap_module(module, SOURCE.replace("LIMIT = 2", "LIMIT = 3")) == ["LIMIT"]
+    assert swap_module(module, SOURCE.replace('kind = "plain"', 'kind = "fancy"')) == ["Counter.kind"]
+
+
+def test_forked_children_answer_per_mutant_and_the_parent_stays_pristine(tmp_path):
+    """The plugin end to end in a tiny pytest project: a killed mutant, a survivor, a timeout, a crash."""
+    (tmp_path / "lib.py").write_text("def inc(x):\n    return x + 1\n")
+    (tmp_path / "test_lib.py").write_text(
+        "import lib\n\ndef test_inc():\n    assert lib.inc(1) == 2\n\ndef test_type():\n    assert isinstance(lib.inc(1), int)\n"
+    )
+    plan = [
+        {"id": "killed", "module": "lib", "source": "def inc(x):\n    return x + 2\n", "tests": None, "timeout": 60},
+        {"id": "survived", "module": "lib", "source": "def inc(x):\n    return 1 + x\n", "tests": None, "timeout": 60},
+        {
+            "id": "hangs",
+            "module": "lib",
+            "source": "def inc(x):\n    while True:\n        pass\n",
+            "tests": ["test_lib.py::test_inc"],
+            "timeout": 3,
+        },
+        {
+            "id": "crashes",
+            "module": "lib",
+            "source": 'def inc(x):\n    __import__("os")._exit(9)\n',
+            "tests": None,
+            "timeout": 60,
+        },
+    ]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = tmp_path / "out.jsonl"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), str(tmp_path)]),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "kvcompat.mutation.forkrun",
+            "-p",
+            "no:cacheprovider",
+            f"--kvcompat-fork-plan={tmp_path / 'plan.json'}",
+            f"--kvcompat-fork-out={out}",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    answers = {a["id"]: a for a in map(json.loads, out.read_text().splitlines())}
+    assert list(answers) == ["killed", "survived", "hangs", "crashes"], proc.stdout + proc.stderr
+    assert [t["outcome"] for t in answers["killed"]["tests"]] == ["failed"], "stops at the first failure"
+    assert [t["outcome"] for t in answers["survived"]["tests"]] == ["passed", "passed"]
+    assert answers["hangs"].get("timeout") is True
+    assert "crash" in answers["crashes"]
+    assert (tmp_path / "lib.py").read_text() == "def inc(x):\n    return x + 1\n", "the file on disk is never touched"
