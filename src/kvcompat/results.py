@@ -24,6 +24,8 @@ REQUIRED = ("cell", "outcome", "detail")  # what a result cannot do without
 # Files that share results/ with the cells' results but are not one (cell ids start with the dist's name):
 # kvcompat.mutation's verdicts.
 NOT_CELL_RESULTS = ("mutants-*.json",)
+# Where `kvcompat qualify` writes a candidate's result, under the results folder: out of the matrix's report.
+CANDIDATES_DIR = "qualify"
 
 
 @dataclasses.dataclass
@@ -216,6 +218,8 @@ def scan_results(*dirs: Path) -> tuple[list[CellResult], list[UnreadableResult]]
     for d in dirs:
         for path in sorted(d.rglob("*.json")) if d.is_dir() else []:
             if any(path.match(pattern) for pattern in NOT_CELL_RESULTS):
+                continue
+            if path.relative_to(d).parts[0] == CANDIDATES_DIR:  # a qualified candidate, not a matrix cell
                 continue
             if path.name.startswith("mutants-"):  # a mutation session's verdicts (kvcompat.report.mutants reads them)
                 continue

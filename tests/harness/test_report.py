@@ -108,6 +108,14 @@ def test_results_from_many_machines_merge_newest_wins(tmp_path):
     assert {(r.cell["vllm"], r.outcome) for r in rep.results} == {("0.33.0", Outcome.PASS), ("0.32.0", Outcome.PASS)}
 
 
+def test_a_qualified_candidate_stays_out_of_the_matrix_report(tmp_path):
+    """kvcompat qualify writes the candidate's result to results/qualify/: a report of results/ leaves it out."""
+    write_result(tmp_path, result("0.34.0", "2.14.0", Outcome.PASS, [("t", "passed", None)]))
+    write_result(tmp_path / "qualify", result("0.34.1.dev1", "2.14.0", Outcome.TEST_FAIL, [("t", "failed", "x")]))
+    rep = build_report([tmp_path])
+    assert [r.cell["vllm"] for r in rep.results] == ["0.34.0"]
+
+
 def test_override_cells_say_what_they_override(tmp_path):
     write_result(
         tmp_path,
