@@ -166,7 +166,7 @@ PROBE = {"prompt_token_ids": [7, 8, 9, 10]}
 
 
 def settle(llm: Any, req: dict) -> dict:
-    """Step the engine until its idle state equals ``req["baseline"]`` or ``req["timeout"]`` passes.
+    """Step the engine until its idle state equals ``req["baseline"]`` or ``req["settle_s"]`` seconds pass.
 
     Steps while the scheduler still holds requests (a finished request whose blocks wait on a connector,
     an aborted one whose transfer is in flight); once it holds none and the counts are still off, serves
