@@ -194,7 +194,7 @@ def pytest_runtestloop(session: pytest.Session):
             answer = _read_answer(pid, rfd, float(mutant["timeout"]))
         finally:
             os.close(rfd)
-        answer.update(id=mutant["id"], seconds=round(time.monotonic() - t0, 2))
+        answer.update(id=mutant["id"], seconds=round(time.monotonic() - t0, 2), limit=float(mutant["timeout"]))
         for t in answer.get("tests", []):
             if t["outcome"] not in ("passed", "not_applicable") and t["nodeid"] not in killers:
                 killers.insert(0, t["nodeid"])

@@ -531,8 +531,18 @@ class _Forked:
 
     BATCH = 40  # mutants a pytest: its import is paid once per batch, a killed pytest loses one batch
 
+    MIN_TIMEOUT_S = 30.0  # a child's own start (the session's fixtures) and a loaded machine's slack
+
     def __init__(self, ctx: CellContext, g: _Group, passed: list[str], site: Path, timeout: float) -> None:
         self.ctx, self.g, self.passed, self.site, self.timeout = ctx, g, passed, site, timeout
+        self.durations: dict[str, float] = g.run.baseline.get("durations") or {}
+
+    def _limit(self, tests: list[str] | None) -> float:
+        """A mutant's time limit: 5 times its tests' unmutated time (at least MIN_TIMEOUT_S), never more than
+        the whole suite's limit; the whole suite's limit when it runs every test or the times are unknown."""
+        if tests is None or not self.durations:
+            return self.timeout
+        return min(self.timeout, max(self.MIN_TIMEOUT_S, 5 * sum(self.durations.get(t, 5.0) for t in tests)))
         self.answers: dict[str, dict] = {}
         self.batched: set[int] = set()
 
@@ -562,7 +572,7 @@ class _Forked:
                     "module": self._module(p.target),
                     "source": p.mutated,
                     "tests": tests,
-                    "timeout": self.timeout,
+                    "timeout": self._limit(tests),
                     "why": chosen.why,
                 }
             )
@@ -594,7 +604,7 @@ class _Forked:
             *self.ctx.opts.pytest_args,
         ]
         self.ctx.say(f"fork: {len(plan)} mutants in one pytest (the release imported once)")
-        self.ctx.sh(cmd, timeout=60.0 + self.timeout * len(plan), phase="test", env=run.env, cwd=run.cwd)
+        self.ctx.sh(cmd, timeout=60.0 + sum(m["timeout"] for m in plan), phase="test", env=run.env, cwd=run.cwd)
         whys = {m["id"]: m["why"] for m in plan}
         for line in out.read_text().splitlines() if out.exists() else []:
             answer = json.loads(line)
@@ -620,7 +630,7 @@ class _Forked:
                 status=KILLED,
                 killed_by="timeout",
                 how="timeout",
-                detail=f"the forked child ran past {self.timeout:.0f}s",
+                detail=f"the forked child ran past its {answer.get('limit', self.timeout):.0f}s",
             )
         green = set(self.passed)
         killed = [t for t in tests if t["nodeid"] in green and t["outcome"] not in STILL_GREEN]
@@ -851,6 +861,8 @@ def _baseline_record(verdict: suites.SuiteVerdict, seconds: float) -> dict:
         "seconds": round(seconds, 2),
         "passed": sorted(t.nodeid for t in verdict.tests if t.outcome.value == "passed"),
         "tests": len(verdict.tests),
+        # each test's time on the unmutated code: a forked mutant's time limit is measured from its own tests
+        "durations": {t.nodeid: round(t.duration or 0.0, 2) for t in verdict.tests},
     }
 
 
