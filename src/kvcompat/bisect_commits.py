@@ -435,6 +435,13 @@ class CommitAnswer:
         return self.commits[self.result.newer]
 
 
+def crashed(result: CellResult) -> bool:
+    """Whether the cell's pytest died of a signal (a crash the suite did not report) rather than giving a verdict."""
+    from kvcompat.outcomes import Outcome
+
+    return result.outcome is Outcome.TEST_ERROR and (result.detail or "").startswith("pytest exited -")
+
+
 def bisect_commits(
     history: History,
     good: str,
@@ -641,6 +648,10 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
             find_links=values.find_links,
         )
         result = run_cell(cell, cell_venv(root, cell), opts, progress=lambda s: say("    " + s))
+        if crashed(result):  # a signal, not a verdict on the commit: one more try before the step is a skip
+            say(f"    {result.detail.splitlines()[0][:120]}: running the cell once more")
+            again = dataclasses.replace(opts, force=True)
+            result = run_cell(cell, cell_venv(root, cell), again, progress=lambda s: say("    " + s))
         # A commit's cell is answered from its result from now on: its venv and bytecode go (uv's cache keeps
         # the wheels, and the overlaid wheel stays in .kvcompat/candidates for a rerun).
         prune_venv(root, cell, lambda s: say("    " + s))

@@ -439,3 +439,14 @@ def test_real_history_on_the_0_34_0_sdist(tmp_path):
     )
     assert str(kernel.relative_to(repo)) in line and "no release contains it yet" in line
     shutil.rmtree(repo)
+
+
+def test_a_cell_whose_pytest_died_of_a_signal_is_a_crash_not_a_verdict():
+    """A commit's cell whose pytest was killed by a signal (exit -11) is run once more before its step is skipped;
+    a failing test or pytest's own error is a verdict and is not retried."""
+    from kvcompat.outcomes import Outcome
+
+    crash = make_result(outcome=Outcome.TEST_ERROR, detail="pytest exited -11 without writing results: ....")
+    error = make_result(outcome=Outcome.TEST_ERROR, detail="pytest exit status 4 (usage error): no tests ran")
+    failed = make_result(outcome=Outcome.TEST_FAIL, tests=[("t", "failed", "assert 1 == 2")])
+    assert [bc.crashed(r) for r in (crash, error, failed)] == [True, False, False]
