@@ -155,3 +155,17 @@ def test_forked_children_answer_per_mutant_and_the_parent_stays_pristine(tmp_pat
     assert answers["hangs"].get("timeout") is True
     assert "crash" in answers["crashes"]
     assert (tmp_path / "lib.py").read_text() == "def inc(x):\n    return x + 1\n", "the file on disk is never touched"
+
+
+def test_a_forked_mutants_time_limit_comes_from_its_own_tests():
+    """5x the unmutated time of the mutant's tests, at least 30 s, never past the whole suite's limit."""
+    import types as _types
+
+    from kvcompat.mutation.session import _Forked
+
+    run = _types.SimpleNamespace(baseline={"durations": {"a": 1.0, "b": 20.0}})
+    g = _types.SimpleNamespace(run=run, planned=[])
+    forked = _Forked(ctx=None, g=g, passed=["a", "b"], site=Path("."), timeout=150.0)
+    assert (forked._limit(["a"]), forked._limit(["a", "b"]), forked._limit(None)) == (30.0, 105.0, 150.0)
+    assert forked.answers == {} and forked.batched == set()
+    assert forked.verdict(0) is None if forked.g.planned else True

@@ -536,6 +536,8 @@ class _Forked:
     def __init__(self, ctx: CellContext, g: _Group, passed: list[str], site: Path, timeout: float) -> None:
         self.ctx, self.g, self.passed, self.site, self.timeout = ctx, g, passed, site, timeout
         self.durations: dict[str, float] = g.run.baseline.get("durations") or {}
+        self.answers: dict[str, dict] = {}
+        self.batched: set[int] = set()
 
     def _limit(self, tests: list[str] | None) -> float:
         """A mutant's time limit: 5 times its tests' unmutated time (at least MIN_TIMEOUT_S), never more than
@@ -543,8 +545,6 @@ class _Forked:
         if tests is None or not self.durations:
             return self.timeout
         return min(self.timeout, max(self.MIN_TIMEOUT_S, 5 * sum(self.durations.get(t, 5.0) for t in tests)))
-        self.answers: dict[str, dict] = {}
-        self.batched: set[int] = set()
 
     def _module(self, target: str) -> str:
         return target.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
