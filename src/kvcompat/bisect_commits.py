@@ -490,6 +490,8 @@ def bisect_commits(
             return bis.Step(sha, bis.Verdict.SKIP, str(exc).removeprefix(commit.label + " "), cell=False)
         key = fingerprint(base)
         found = records.get(commit, key) if records is not None and not force else None
+        if found is not None and crashed(found[1]):  # a crash is no verdict on the tree: not kept as one
+            found = None
         if found is not None:
             cell, result = found
             say(f"    answered from {cell}'s result (this tree was evaluated before)")
