@@ -32,6 +32,7 @@ from pathlib import Path
 
 from kvcompat import index
 from kvcompat.atomic import write_atomic
+from kvcompat.mutation.operators import Text
 from kvcompat.run.process import last_error_line
 
 SCHEMA = "kvcompat-mutants-coverage/1"
@@ -155,27 +156,19 @@ class Where:
     in_function: bool
 
 
-class Locator:
+class Locator(Text):
     """The statements of one pristine file, to place mutants (parsed once per file)."""
 
     def __init__(self, source: str) -> None:
-        self.source = source
-        self.starts = [0]
-        self.lines = source.splitlines(keepends=True)
-        for line in self.lines:
-            self.starts.append(self.starts[-1] + len(line))
+        super().__init__(source)
         # (start, end, statement, inside a function body)
         self.stmts: list[tuple[int, int, ast.stmt, bool]] = []
         self._visit(ast.parse(source).body, False)
 
-    def _offset(self, lineno: int, col: int) -> int:
-        line = self.lines[lineno - 1] if lineno - 1 < len(self.lines) else ""
-        return self.starts[lineno - 1] + len(line.encode()[:col].decode(errors="replace"))
-
     def _visit(self, body: list[ast.stmt], in_function: bool) -> None:
         for stmt in body:
-            start = self._offset(stmt.lineno, stmt.col_offset)
-            end = self._offset(stmt.end_lineno, stmt.end_col_offset)
+            start = self.offset(stmt.lineno, stmt.col_offset)
+            end = self.offset(stmt.end_lineno, stmt.end_col_offset)
             self.stmts.append((start, end, stmt, in_function))
             inner = in_function or isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef)
             for field in ("body", "orelse", "finalbody"):
@@ -184,16 +177,6 @@ class Locator:
                 self._visit(handler.body, inner)
             for case in getattr(stmt, "cases", None) or []:
                 self._visit(case.body, inner)
-
-    def line_of(self, offset: int) -> int:
-        lo, hi = 0, len(self.starts) - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.starts[mid] <= offset:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo + 1
 
     def strip(self, start: int, end: int) -> tuple[int, int]:
         """The span without the blanks around it (a catalogue target may start with the newline before its code)."""
@@ -212,10 +195,10 @@ class Locator:
             return Where(frozenset(lines), False)
         s, e, stmt, in_function = min(holders, key=lambda h: h[1] - h[0])
         if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and stmt.body:
-            body_start = self._offset(stmt.body[0].lineno, stmt.body[0].col_offset)
+            body_start = self.offset(stmt.body[0].lineno, stmt.body[0].col_offset)
             if start >= body_start:  # several statements of the body: the first of them anchors
                 in_function = in_function or not isinstance(stmt, ast.ClassDef)
-                lines.add(min(b.lineno for b in stmt.body if self._offset(b.end_lineno, b.end_col_offset) > start))
+                lines.add(min(b.lineno for b in stmt.body if self.offset(b.end_lineno, b.end_col_offset) > start))
                 return Where(frozenset(lines), in_function)
             return Where(frozenset(lines), in_function)  # the signature or decorators: run when the def runs
         lines.add(stmt.lineno)

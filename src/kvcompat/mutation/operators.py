@@ -38,6 +38,7 @@ together, the getter's first.  Mutants apply by position, in memory (no text to 
 from __future__ import annotations
 
 import ast
+import bisect
 import dataclasses
 import re
 
@@ -128,14 +129,8 @@ class Text:
         return self.offset(node.lineno, node.col_offset), self.offset(node.end_lineno, node.end_col_offset)
 
     def line_of(self, offset: int) -> int:
-        lo, hi = 0, len(self.starts) - 1
-        while lo < hi:  # the last line start <= offset
-            mid = (lo + hi + 1) // 2
-            if self.starts[mid] <= offset:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo + 1
+        """The 1-based line holding ``offset``: the number of line starts at or before it."""
+        return bisect.bisect_right(self.starts, offset)
 
 
 def _slug(text: str) -> str:
