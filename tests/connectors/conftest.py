@@ -455,6 +455,30 @@ def stored_prefix(engine: Engine, prompt: list[int], req_id: str) -> None:
         assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine settled"
 
 
+def fail_a_loaded_block(monkeypatch, engine: Engine, child: Any, req_id: str) -> set[int]:
+    """Script one answer of a worker-role CPU-offload ``child``: when its load of ``req_id`` completes, it names
+    block 1 of the request in get_block_ids_with_load_errors (once).  Returns the failed block ids, filled in
+    when that happens (empty until then)."""
+    from kvcompat.testkit.adapter import children as ch
+
+    hook = ch.completion_hook()
+    real_hook = getattr(child, hook)
+    failed: set[int] = set()
+    errors: list[set[int]] = []
+
+    def completions(*args):
+        answer = real_hook(*args)
+        recving = answer.finished_recving if hook == "get_transfer_results" else answer[1]
+        if req_id in set(recving or ()) and not failed:
+            failed.add(va.group_block_ids(engine.scheduler.kv_cache_manager.get_block_ids(req_id))[1])
+            errors.append(set(failed))
+        return answer
+
+    ch.spy(monkeypatch, child, hook, completions)
+    ch.spy(monkeypatch, child, "get_block_ids_with_load_errors", lambda: errors.pop() if errors else set())
+    return failed
+
+
 def cpu_tier_hit(engine: Engine, prompt: list[int], req_id: str) -> int:
     """Tokens of ``prompt`` the CPU-offload child would serve now from its CPU tier: asked as the
     scheduler asks (nothing computed locally), then the request is aborted so that nothing stays

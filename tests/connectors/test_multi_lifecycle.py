@@ -19,7 +19,7 @@ from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable
 from kvcompat.testkit.adapter import children as ch
 
-from conftest import BLOCK, patient_steps, stored_prefix, token_ids, wait_until
+from conftest import BLOCK, fail_a_loaded_block, patient_steps, stored_prefix, token_ids, wait_until
 
 
 def _finish_hooks(child) -> list[str]:
@@ -154,22 +154,7 @@ def test_failed_load_tokens_are_recomputed_not_counted(engine, monkeypatch):
     prompt = token_ids(3 * BLOCK + 5)
     stored_prefix(engine, prompt, "fail-src")
     # The offload child's worker: its load of fail-dst completes, and block 1 of it failed.
-    child = engine.worker._connectors[engine.offload_index]
-    hook = ch.completion_hook()
-    failed: set[int] = set()
-    real_hook = getattr(child, hook)
-
-    def completions(*args):
-        answer = real_hook(*args)
-        recving = answer.finished_recving if hook == "get_transfer_results" else answer[1]
-        if "fail-dst" in set(recving or ()) and not failed:
-            failed.add(va.group_block_ids(engine.scheduler.kv_cache_manager.get_block_ids("fail-dst"))[1])
-            errors.append(set(failed))
-        return answer
-
-    errors: list[set[int]] = []
-    ch.spy(monkeypatch, child, hook, completions)
-    ch.spy(monkeypatch, child, "get_block_ids_with_load_errors", lambda: errors.pop() if errors else set())
+    failed = fail_a_loaded_block(monkeypatch, engine, engine.worker._connectors[engine.offload_index], "fail-dst")
     req = va.make_request("fail-dst", prompt, max_tokens=2)
     engine.scheduler.add_request(req)
     engine.step()

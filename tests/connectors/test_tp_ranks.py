@@ -23,6 +23,7 @@ from conftest import (
     STORED,
     assert_no_leak,
     cpu_tier_hit,
+    fail_a_loaded_block,
     patient_steps,
     stored_prefix,
     token_ids,
@@ -171,20 +172,7 @@ def test_a_block_failed_on_either_rank_is_recomputed(make_engine, monkeypatch, f
     prompt = token_ids(3 * BLOCK + 5, start=160)
     stored_prefix(engine, prompt, "tp-fail-src")
     child = engine.ranks[failing_rank].connector._connectors[engine.offload_index]
-    hook, real_hook = ch.completion_hook(), getattr(child, ch.completion_hook())
-    failed: set[int] = set()
-    errors: list[set[int]] = []
-
-    def completions(*args):
-        answer = real_hook(*args)
-        recving = answer.finished_recving if hook == "get_transfer_results" else answer[1]
-        if "tp-fail" in set(recving or ()) and not failed:
-            failed.add(va.group_block_ids(engine.scheduler.kv_cache_manager.get_block_ids("tp-fail"))[1])
-            errors.append(set(failed))
-        return answer
-
-    ch.spy(monkeypatch, child, hook, completions)
-    ch.spy(monkeypatch, child, "get_block_ids_with_load_errors", lambda: errors.pop() if errors else set())
+    failed = fail_a_loaded_block(monkeypatch, engine, child, "tp-fail")
     req = va.make_request("tp-fail", prompt, max_tokens=2)
     engine.scheduler.add_request(req)
     engine.step()
