@@ -597,7 +597,7 @@ def check_options(values: Namespace) -> None:
 def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) -> CommitAnswer:
     """``kvcompat bisect --repo PATH GOOD BAD --test T``: the first bad commit (bad input raises, one line)."""
     from kvcompat import index, upstream
-    from kvcompat.cells import resolve_cells
+    from kvcompat.cells import resolve_entry
     from kvcompat.matrix import Entry
     from kvcompat.options import command_line
     from kvcompat.results import check_result, result_path
@@ -642,13 +642,7 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
 
     def run(overlay: Overlay) -> tuple[str, CellResult]:
         entry = Entry(vllm=overlay.wheel, overrides=overrides(overlay.base), suites=("ours",), torch=(values.torch,))
-        (cell,) = resolve_cells(
-            [entry],
-            constraints_dir=root / "constraints",
-            cache_root=root,
-            index_url=values.index_url,
-            find_links=values.find_links,
-        )
+        cell = resolve_entry(root, entry, index_url=values.index_url, find_links=values.find_links)
         result = run_cell(cell, cell_venv(root, cell), opts, progress=lambda s: say("    " + s))
         if crashed(result):  # a signal, not a verdict on the commit: one more try before the step is a skip
             say(f"    {result.detail.splitlines()[0][:120]}: running the cell once more")

@@ -248,6 +248,18 @@ def resolve_cells(
     )
 
 
+def resolve_entry(root: Path, entry: Entry, *, index_url: str, find_links: tuple[str, ...] = ()) -> Cell:
+    """The one cell of a single matrix entry (a bisect step, a qualify side) of the project at ``root``."""
+    (cell,) = resolve_cells(
+        [entry],
+        constraints_dir=root / "constraints",
+        cache_root=root,
+        index_url=index_url,
+        find_links=find_links,
+    )
+    return cell
+
+
 def load_cells(root: Path, matrix: str, *, index_url: str, find_links: tuple[str, ...] = ()) -> list[Cell]:
     """The cells of matrix ``matrix`` (see :func:`kvcompat.matrix.matrix_source`) of the project at ``root``."""
     source, name = matrix_source(root, matrix)

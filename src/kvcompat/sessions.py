@@ -18,7 +18,7 @@ from packaging.version import Version
 
 from kvcompat import bisection as bis
 from kvcompat import index
-from kvcompat.cells import Cell, load_cells, resolve_cells
+from kvcompat.cells import Cell, load_cells, resolve_entry
 from kvcompat.matrix import Entry
 from kvcompat.report import mutants as mutation_report
 from kvcompat.report.model import Report, build_report
@@ -227,13 +227,7 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
     def evaluate(version: str) -> bis.Step:
         spec = wheels.get(version) or Version(version)
         entry = Entry(vllm=spec, dist=values.dist, torch=(values.torch,), env=(env,))
-        (cell,) = resolve_cells(
-            [entry],
-            constraints_dir=root / "constraints",
-            cache_root=root,
-            index_url=values.index_url,
-            find_links=values.find_links,
-        )
+        cell = resolve_entry(root, entry, index_url=values.index_url, find_links=values.find_links)
         result = run_cell(cell, cell_venv(root, cell), opts, progress=lambda s: say("    " + s))
         reused = shared_with_earlier_steps(opts, cell, list(cells.values()))
         if reused:
@@ -352,13 +346,7 @@ def qualify(root: Path, values: Namespace, say: Callable[[str], None] = print) -
         + (f", overrides {' '.join(overrides)}" if overrides else "")
     )
     base_cell, cand_cell = (
-        resolve_cells(
-            [entry],
-            constraints_dir=root / "constraints",
-            cache_root=root,
-            index_url=values.index_url,
-            find_links=values.find_links,
-        )[0]
+        resolve_entry(root, entry, index_url=values.index_url, find_links=values.find_links)
         for entry in (
             Entry(vllm=Version(base), overrides=overrides, suites=suites),
             Entry(vllm=candidate.wheel, overrides=overrides, suites=suites),
