@@ -40,6 +40,17 @@ def positive(unit: str, example: str) -> Callable[[str, str], float]:
     return convert
 
 
+def whole(unit: str, example: str) -> Callable[[str, str], int]:
+    def convert(flag: str, value: str) -> int:
+        if not value.isdigit() or int(value) < 1:
+            raise OptionError(
+                f"{flag}={value!r} is not a whole number of {unit} (1 or more); write e.g. {flag}={example}"
+            )
+        return int(value)
+
+    return convert
+
+
 def words(flag: str, value: str) -> tuple[str, ...]:  # noqa: ARG001
     return tuple(value.split())
 
@@ -292,6 +303,15 @@ OPTIONS: tuple[Option, ...] = (
         ("mutants",),
         switch=True,
         default=False,
+    ),
+    Option(
+        "--fork-jobs",
+        "with --fork: mutants in flight at once, each in its own forked child (default 4: much of a child's "
+        "time is spent waiting on vLLM's threads, so twice a 2-core machine's cores pay)",
+        ("mutants",),
+        whole("children", "4"),
+        default=4,
+        metavar="N",
     ),
     Option(
         "--upstream-only",

@@ -40,11 +40,20 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # (loopback only, with UCX_NET_DEVICES=lo); "sm,self" alone does not work.
 os.environ.setdefault("UCX_TLS", "tcp,cma")
 os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+
+
+def _own_side_channel_port() -> None:
+    """A free port for this process's NIXL handshake listener."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(s.getsockname()[1])
+    s.close()
+
+
 if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
-    _s = socket.socket()
-    _s.bind(("127.0.0.1", 0))
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_s.getsockname()[1])
-    _s.close()
+    _own_side_channel_port()
+    # a forked process (a mutation run's children, several at once) listens on a port of its own
+    os.register_at_fork(after_in_child=_own_side_channel_port)
 
 BLOCK = va.BLOCK_SIZE
 NUM_GPU_BLOCKS = 64

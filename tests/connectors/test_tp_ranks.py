@@ -189,12 +189,13 @@ def test_a_block_failed_on_either_rank_is_recomputed(make_engine, monkeypatch, f
     assert req.num_computed_tokens <= BLOCK or req.is_finished(), (
         f"{req.num_computed_tokens} tokens counted as computed although rank {failing_rank} failed block {failed}"
     )
-    for _ in range(6):
-        if req.is_finished():
+    for _ in patient_steps(6):
+        if req.is_finished() and "tp-fail" not in engine.scheduler.requests:
             break
         engine.step()
     assert req.is_finished(), "the request whose block failed never finished"
-    assert "tp-fail" not in engine.scheduler.requests
+    # a finished request stays while its blocks are being stored (another thread): wait for that, then it goes
+    assert "tp-fail" not in engine.scheduler.requests, "the finished request was never freed"
     assert_no_leak(engine)
 
 

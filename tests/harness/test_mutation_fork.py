@@ -98,8 +98,42 @@ def test_changes_outside_any_function_are_named_not_half_applied(module):
     assert swap_module(module, SOURCE.replace('kind = "plain"', 'kind = "fancy"')) == ["Counter.kind"]
 
 
-def test_forked_children_answer_per_mutant_and_the_parent_stays_pristine(tmp_path):
-    """The plugin end to end in a tiny pytest project: a killed mutant, a survivor, a timeout, a crash."""
+def _run_plan(tmp_path: Path, plan: list[dict], jobs: int) -> tuple[dict, str]:
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = tmp_path / "out.jsonl"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), str(tmp_path)]),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "kvcompat.mutation.forkrun",
+            "-p",
+            "no:cacheprovider",
+            f"--kvcompat-fork-plan={tmp_path / 'plan.json'}",
+            f"--kvcompat-fork-out={out}",
+            f"--kvcompat-fork-jobs={jobs}",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    answers = {a["id"]: a for a in map(json.loads, out.read_text().splitlines())} if out.exists() else {}
+    return answers, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_forked_children_answer_per_mutant_and_the_parent_stays_pristine(tmp_path, jobs):
+    """The plugin end to end in a tiny pytest project: a killed mutant, a survivor, a timeout, a crash,
+    one child at a time or several at once."""
     (tmp_path / "lib.py").write_text("def inc(x):\n    return x + 1\n")
     (tmp_path / "test_lib.py").write_text(
         "import lib\n\ndef test_inc():\n    assert lib.inc(1) == 2\n\ndef test_type():\n    assert isinstance(lib.inc(1), int)\n"
@@ -122,39 +156,35 @@ def test_forked_children_answer_per_mutant_and_the_parent_stays_pristine(tmp_pat
             "timeout": 60,
         },
     ]
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    out = tmp_path / "out.jsonl"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), str(tmp_path)]),
-    }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "kvcompat.mutation.forkrun",
-            "-p",
-            "no:cacheprovider",
-            f"--kvcompat-fork-plan={tmp_path / 'plan.json'}",
-            f"--kvcompat-fork-out={out}",
-            str(tmp_path),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    answers = {a["id"]: a for a in map(json.loads, out.read_text().splitlines())}
-    assert list(answers) == ["killed", "survived", "hangs", "crashes"], proc.stdout + proc.stderr
+    answers, output = _run_plan(tmp_path, plan, jobs)
+    assert sorted(answers) == sorted(m["id"] for m in plan), output
     assert [t["outcome"] for t in answers["killed"]["tests"]] == ["failed"], "stops at the first failure"
     assert [t["outcome"] for t in answers["survived"]["tests"]] == ["passed", "passed"]
     assert answers["hangs"].get("timeout") is True
     assert "crash" in answers["crashes"]
+    assert all("imported" not in a for a in answers.values()), "the children's module lists stay in the parent"
     assert (tmp_path / "lib.py").read_text() == "def inc(x):\n    return x + 1\n", "the file on disk is never touched"
+
+
+def test_what_a_child_imported_the_next_children_start_with(tmp_path):
+    """A module the tests import lazily is imported by the first child and then by the parent, pristine:
+    the children after it find it imported (a release's lazy imports are most of a child's time)."""
+    (tmp_path / "lib.py").write_text("def inc(x):\n    return x + 1\n")
+    (tmp_path / "lazy.py").write_text(
+        "import os\nwith open(os.path.join(os.path.dirname(__file__), 'imports.txt'), 'a') as f:\n"
+        "    f.write(str(os.getpid()) + '\\n')\n"
+    )
+    (tmp_path / "test_lib.py").write_text(
+        "import lib\n\ndef test_inc():\n    import lazy\n    assert lib.inc(1) == 2\n"
+    )
+    plan = [
+        {"id": f"m{i}", "module": "lib", "source": "def inc(x):\n    return 1 + x\n", "tests": None, "timeout": 60}
+        for i in range(3)
+    ]
+    answers, output = _run_plan(tmp_path, plan, jobs=1)
+    assert sorted(answers) == ["m0", "m1", "m2"], output
+    pids = (tmp_path / "imports.txt").read_text().split()
+    assert len(pids) == 2, f"lazy imported in {len(pids)} processes: the first child and the parent only"
 
 
 def test_a_forked_mutants_time_limit_comes_from_its_own_tests():

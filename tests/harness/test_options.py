@@ -53,6 +53,17 @@ def test_bad_values_name_the_fix(argv, needle):
     assert str(err.value) == needle
 
 
+@pytest.mark.parametrize("value", ["0", "two", "1.5"])
+def test_fork_jobs_is_a_whole_number_of_children(value):
+    with pytest.raises(OptionError) as err:
+        options.parse("mutants", [f"--fork-jobs={value}"], {})
+    assert (
+        str(err.value)
+        == f"--fork-jobs={value!r} is not a whole number of children (1 or more); write e.g. --fork-jobs=4"
+    )
+    assert options.parse("mutants", ["--fork-jobs=3"], {})[0].fork_jobs == 3
+
+
 def test_bad_environment_values_name_the_variable():
     with pytest.raises(OptionError, match="UV_DEFAULT_INDEX 'mirror' is not a URL"):
         options.parse("list", [], {"UV_DEFAULT_INDEX": "mirror"})

@@ -23,6 +23,7 @@ import json
 import os
 import select
 import signal
+import sys
 import time
 import traceback
 import types
@@ -37,6 +38,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvcompat-fork")
     group.addoption("--kvcompat-fork-plan", default=None, help="mutants to run, one forked child each (JSON)")
     group.addoption("--kvcompat-fork-out", default=None, help="one JSON line per mutant is appended here")
+    group.addoption("--kvcompat-fork-jobs", default="1", help="children in flight at once")
 
 
 # -- swapping a module's code ----------------------------------------------------------------------
@@ -125,6 +127,7 @@ def _outcome(reports: list) -> tuple[str, str]:
 def _child(items: list, module: types.ModuleType, source: str, wfd: int) -> None:
     from _pytest.runner import runtestprotocol
 
+    known = set(sys.modules)
     answer: dict = {"tests": []}
     try:
         problems = swap_module(module, source)
@@ -139,30 +142,60 @@ def _child(items: list, module: types.ModuleType, source: str, wfd: int) -> None
                     break
     except BaseException:  # noqa: BLE001 - whatever the mutant does, the parent gets a line
         answer = {"crash": traceback.format_exc()[-2000:], **answer}
+    answer["imported"] = [name for name in list(sys.modules) if name not in known]
     data = json.dumps(answer).encode()
     while data:
         data = data[os.write(wfd, data) :]
     os._exit(0)
 
 
-def _read_answer(pid: int, rfd: int, timeout: float) -> dict:
-    deadline, data = time.monotonic() + timeout, b""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return {"timeout": True}
-        ready, _, _ = select.select([rfd], [], [], min(left, 1.0))
-        if ready:
-            chunk = os.read(rfd, 1 << 16)
-            if not chunk:
-                break
-            data += chunk
-    _, status = os.waitpid(pid, 0)
-    if not data:
-        return {"crash": f"the child died without answering (wait status {status})"}
-    return json.loads(data)
+class _Child:
+    """One forked mutant in flight: its pipe, what it has said so far, and when it runs out of time."""
+
+    def __init__(self, mutant: dict, items: list, module: types.ModuleType) -> None:
+        self.mutant, self.t0 = mutant, time.monotonic()
+        self.deadline = self.t0 + float(mutant["timeout"])
+        self.data = b""
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(rfd)
+            _child(items, module, mutant["source"], wfd)
+        os.close(wfd)
+        self.pid, self.rfd = pid, rfd
+
+    def read(self) -> bool:
+        """Take what the child wrote; True once it closed its end (it has answered or died)."""
+        chunk = os.read(self.rfd, 1 << 16)
+        self.data += chunk
+        return not chunk
+
+    def answer(self, timed_out: bool) -> dict:
+        """Reap the child (killed first when ``timed_out``) and return its answer."""
+        if timed_out:
+            os.kill(self.pid, signal.SIGKILL)
+        _, status = os.waitpid(self.pid, 0)
+        os.close(self.rfd)
+        if timed_out:
+            answer: dict = {"timeout": True}
+        elif not self.data:
+            answer = {"crash": f"the child died without answering (wait status {status})"}
+        else:
+            answer = json.loads(self.data)
+        seconds = round(time.monotonic() - self.t0, 2)
+        return {**answer, "id": self.mutant["id"], "seconds": seconds, "limit": float(self.mutant["timeout"])}
+
+
+def _import_too(names: list[str]) -> None:
+    """Import, pristine, what a child had to import for its tests, so that the next children start with it
+    (the tests' own lazy imports of the release are most of a child's time otherwise)."""
+    for name in names:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - a module that cannot be imported twice, or only as a side effect
+            pass
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -177,27 +210,28 @@ def pytest_runtestloop(session: pytest.Session):
     plan = json.loads(Path(plan_path).read_text())
     out = Path(session.config.getoption("--kvcompat-fork-out"))
     by_id = {item.nodeid: item for item in session.items}
+    jobs = max(1, int(session.config.getoption("--kvcompat-fork-jobs")))
     killers: list[str] = []
-    for mutant in plan:
-        module = importlib.import_module(mutant["module"])
-        wanted = mutant["tests"] if mutant["tests"] is not None else list(by_id)
-        ordered = [n for n in killers if n in wanted] + [n for n in wanted if n not in killers]
-        items = [by_id[n] for n in ordered if n in by_id]
-        t0 = time.monotonic()
-        rfd, wfd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(rfd)
-            _child(items, module, mutant["source"], wfd)
-        os.close(wfd)
-        try:
-            answer = _read_answer(pid, rfd, float(mutant["timeout"]))
-        finally:
-            os.close(rfd)
-        answer.update(id=mutant["id"], seconds=round(time.monotonic() - t0, 2), limit=float(mutant["timeout"]))
-        for t in answer.get("tests", []):
-            if t["outcome"] not in ("passed", "not_applicable") and t["nodeid"] not in killers:
-                killers.insert(0, t["nodeid"])
-        with out.open("a") as f:
-            f.write(json.dumps(answer) + "\n")
+    waiting, running = list(plan), {}
+    while waiting or running:
+        while waiting and len(running) < jobs:
+            mutant = waiting.pop(0)
+            module = importlib.import_module(mutant["module"])
+            wanted = mutant["tests"] if mutant["tests"] is not None else list(by_id)
+            ordered = [n for n in killers if n in wanted] + [n for n in wanted if n not in killers]
+            child = _Child(mutant, [by_id[n] for n in ordered if n in by_id], module)
+            running[child.rfd] = child
+        soonest = min(c.deadline for c in running.values())
+        ready, _, _ = select.select(list(running), [], [], max(0.0, min(soonest - time.monotonic(), 1.0)))
+        done = [(running[fd], False) for fd in ready if running[fd].read()]
+        done += [(c, True) for c in running.values() if c.deadline <= time.monotonic() and (c, False) not in done]
+        for child, timed_out in done:
+            del running[child.rfd]
+            answer = child.answer(timed_out)
+            _import_too(answer.pop("imported", []))
+            for t in answer.get("tests", []):
+                if t["outcome"] not in ("passed", "not_applicable") and t["nodeid"] not in killers:
+                    killers.insert(0, t["nodeid"])
+            with out.open("a") as f:
+                f.write(json.dumps(answer) + "\n")
     return True

@@ -101,6 +101,7 @@ class MutationOptions:
     select_tests: bool = True
     # Score our suite in forked children of one pytest per batch (kvcompat.mutation.forkrun).
     fork: bool = False
+    fork_jobs: int = 4  # forked children in flight at once
 
     MIN_TIMEOUT_S = 120.0
 
@@ -492,7 +493,7 @@ def _score_group(
     t0, runs = time.monotonic(), 0
     if len(g.planned) and g.name != "multi":
         ctx.say(f"{g.name}: {len(g.planned)} mutants in {len(g.sources)} files ({run.selection or 'whole suite'})")
-    forked = _Forked(ctx, g, passed, site, timeout) if mo.fork else None
+    forked = _Forked(ctx, g, passed, site, timeout, mo.fork_jobs) if mo.fork else None
     for n, p in enumerate(g.planned, 1):
         twin = decided.get(getattr(p.mutant, "same_as", None) or "")
         guard = Guard(site, state, p.target)
@@ -533,8 +534,10 @@ class _Forked:
 
     MIN_TIMEOUT_S = 30.0  # a child's own start (the session's fixtures) and a loaded machine's slack
 
-    def __init__(self, ctx: CellContext, g: _Group, passed: list[str], site: Path, timeout: float) -> None:
-        self.ctx, self.g, self.passed, self.site, self.timeout = ctx, g, passed, site, timeout
+    def __init__(
+        self, ctx: CellContext, g: _Group, passed: list[str], site: Path, timeout: float, jobs: int = 1
+    ) -> None:
+        self.ctx, self.g, self.passed, self.site, self.timeout, self.jobs = ctx, g, passed, site, timeout, jobs
         self.durations: dict[str, float] = g.run.baseline.get("durations") or {}
         self.answers: dict[str, dict] = {}
         self.batched: set[int] = set()
@@ -590,6 +593,7 @@ class _Forked:
             "kvcompat.mutation.forkrun",
             f"--kvcompat-fork-plan={plan_path}",
             f"--kvcompat-fork-out={out}",
+            f"--kvcompat-fork-jobs={self.jobs}",
         )
         cmd = [
             self.ctx.python,
@@ -603,7 +607,9 @@ class _Forked:
             *run.args,
             *self.ctx.opts.pytest_args,
         ]
-        self.ctx.say(f"fork: {len(plan)} mutants in one pytest (the release imported once)")
+        self.ctx.say(
+            f"fork: {len(plan)} mutants in one pytest (the release imported once, {self.jobs} children at a time)"
+        )
         self.ctx.sh(cmd, timeout=60.0 + sum(m["timeout"] for m in plan), phase="test", env=run.env, cwd=run.cwd)
         whys = {m["id"]: m["why"] for m in plan}
         for line in out.read_text().splitlines() if out.exists() else []:
@@ -1107,6 +1113,7 @@ def options_for(root: Path, values, pytest_args: list[str] = ()) -> MutationOpti
         pytest_args=tuple(pytest_args),
         upstream_only=bool(values.upstream_only),
         fork=bool(getattr(values, "fork", False)),
+        fork_jobs=int(getattr(values, "fork_jobs", 4) or 4),
         targets=tg.check_groups(tuple(getattr(values, "target", ()) or tg.DEFAULT_GROUPS)),
     )
 
