@@ -162,19 +162,34 @@ def test_blocks_received_over_nixl_are_cached_on_the_decode_side(pd):
 # ---------------------------------------------------------------------------
 # 2. the prefill side: hold until read, or until the lease expires
 # ---------------------------------------------------------------------------
-def _lease_knob() -> str | None:
-    """How this release bounds the time P holds blocks nobody reads: the Nixl child's
-    ``kv_lease_duration`` (extra config) or the VLLM_NIXL_ABORT_REQUEST_TIMEOUT variable; None when
-    its Nixl code has neither (explicit probe of the release's source)."""
-    source = "".join(
+def _nixl_source() -> str:
+    """The release's Nixl connector and worker modules' source (for explicit probes)."""
+    return "".join(
         inspect.getsource(importlib.import_module(m))
         for m in (va.nixl_module(), va.nixl_wrapper_target()[0])
         if importlib.util.find_spec(m) is not None
     )
+
+
+def _lease_knob() -> str | None:
+    """How this release bounds the time P holds blocks nobody reads: the Nixl child's
+    ``kv_lease_duration`` (extra config) or the VLLM_NIXL_ABORT_REQUEST_TIMEOUT variable; None when
+    its Nixl code has neither (explicit probe of the release's source)."""
+    source = _nixl_source()
     for knob in ("kv_lease_duration", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT"):
         if knob in source:
             return knob
     return None
+
+
+def _heartbeats(nixl_agent) -> int:
+    """Lease-renewal heartbeats ("HB:<request ids>" notifications) the fake NIXL agents were asked to send."""
+    return sum(
+        1
+        for a in nixl_agent.instances
+        for c in a.calls_named("send_notif")
+        if len(c.args) > 1 and bytes(c.args[1]).startswith(b"HB:")
+    )
 
 
 def test_prefill_frees_the_blocks_when_the_lease_expires(make_engine, monkeypatch):
@@ -206,6 +221,41 @@ def test_prefill_frees_the_blocks_when_the_lease_expires(make_engine, monkeypatc
     )
     assert held_for >= lease_s * 0.9, f"P freed the blocks after {held_for:.1f}s, before its {lease_s}s lease"
     assert_no_leak(engine)
+
+
+def test_decode_heartbeats_keep_the_prefill_blocks_past_the_lease_while_its_read_is_in_flight(make_pd, nixl_agent):
+    """A read that outlasts the lease (a slow link, a busy decode) does not lose the prefill's blocks:
+    while D waits for it, D's Nixl child renews the lease with heartbeats, so P still holds the blocks
+    well past the lease; once the read completes P frees them on D's notification, D stops
+    heartbeating, and neither engine leaks."""
+    if "HB:" not in _nixl_source():
+        not_applicable("this release's Nixl code renews no lease with heartbeats")
+    lease_s = 2  # the heartbeat interval is lease // 6 = 0: D heartbeats on every step
+    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    prompt = token_ids(3 * BLOCK + 5, start=360)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("hb-read", prompt)
+    nixl_agent.polls_until_done = NEVER
+    d.scheduler.add_request(va.make_request("hb-read", prompt, max_tokens=2, kv_transfer_params=params))
+    assert _step_both(p, d, lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
+    start = time.monotonic()
+    while time.monotonic() - start < 1.5 * lease_s:  # P's own lease ran out before this window began
+        d.step()
+        p.step()
+        time.sleep(0.05)
+    assert "hb-read" in p.scheduler.requests, (
+        f"P freed the blocks of a read still in flight {1.5 * lease_s:.0f}s into a {lease_s}s lease, "
+        f"though D sent {_heartbeats(nixl_agent)} heartbeats"
+    )
+    nixl_agent.polls_until_done = 1
+    assert _step_both(p, d, lambda: "hb-read" not in p.scheduler.requests), "P never freed the blocks D read"
+    assert _step_both(p, d, lambda: "hb-read" not in d.scheduler.requests), "D never finished the request it read"
+    sent = _heartbeats(nixl_agent)
+    for _ in range(5):
+        d.step()
+        p.step()
+    assert _heartbeats(nixl_agent) == sent, "D kept heartbeating for a read that is over"
+    assert_no_leak(p, d)
 
 
 # ---------------------------------------------------------------------------

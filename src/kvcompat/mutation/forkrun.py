@@ -17,6 +17,7 @@ Nothing is written to the installed files: the pristine module stays on disk and
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
 import json
@@ -156,6 +157,9 @@ class _Child:
         self.mutant, self.t0 = mutant, time.monotonic()
         self.deadline = self.t0 + float(mutant["timeout"])
         self.data = b""
+        # What the parent holds is never garbage: out of the children's collections, whose walks would
+        # otherwise touch (and so copy) every page the parent shares with them.
+        gc.freeze()
         rfd, wfd = os.pipe()
         pid = os.fork()
         if pid == 0:
