@@ -1,15 +1,18 @@
 """Benchmark: our suite's mutation verdicts the usual way and forked, on the same mutants, side by side.
 
     python benchmarks/mutation_fork_bench.py [--cell "vllm_0_34_0 and torch_2_14_0"] [--target aggregator]
-        [--target offload] [--sample 40] [--transfer-wait 5]
+        [--target offload] [--sample 40] [--spread] [--jobs 4] [--transfer-wait 5]
 
-Needs the cell run once (`nox -s matrix -k CELL`).  Takes the first SAMPLE mutants of the groups that a test
-reaches (decided by the stored coverage map: a mutant no test reaches is not run either way), then scores
-them twice in one run, our suite only (the upstream column is left out of both):
+Needs the cell run once (`nox -s matrix -k CELL`) and a previous `nox -s mutants --target GROUP` of each group.
+Takes SAMPLE mutants of the groups, then scores them twice in one run, our suite only (the upstream column is
+left out of both):
   usual : one pytest per mutant, the mutated file swapped on disk (nox -s mutants)
-  fork  : one pytest per batch, the release imported once, a forked child per mutant (nox -s mutants --fork)
-Prints seconds a mutant for each, the ratio, and every mutant whose verdict differs (goal: none, and the
-forked run at most 2 s a mutant).
+  fork  : one pytest per batch, the release imported once, JOBS forked children at a time (nox -s mutants --fork)
+The sample is the first SAMPLE mutants that a test reaches (the costly ones: decided by the stored coverage map,
+a mutant no test reaches is not run either way), or with --spread every k-th mutant of the whole catalogue
+in file order, reached or not, as a whole run meets them.  Prints seconds a mutant for each (over the sample and
+over the mutants that ran), the ratio, and every mutant whose verdict differs (goal: none, and the forked run at
+most 2 s a mutant).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def main() -> int:
     ap.add_argument("--cell", default="vllm_0_34_0 and torch_2_14_0")
     ap.add_argument("--target", action="append", default=[], help="a group (repeatable; default aggregator, offload)")
     ap.add_argument("--sample", type=int, default=40, help="mutants a test reaches, taken in file order")
+    ap.add_argument("--spread", action="store_true", help="every k-th mutant of the catalogue, reached or not")
+    ap.add_argument("--jobs", type=int, default=4, help="forked children at a time (nox -s mutants --fork-jobs)")
     ap.add_argument(
         "--transfer-wait", type=float, default=None, help="KVCOMPAT_TRANSFER_WAIT_S for both (a quiet machine)"
     )
@@ -55,8 +60,11 @@ def main() -> int:
         (cell,) = mutation.select_cells(list(sessions.matrix_cells(REPO, values)), args.cell)
         cell = dataclasses.replace(cell, suites=("ours",))  # our suite only, both ways
         with tempfile.TemporaryDirectory() as tmp:
-            ids = _sample(cell, values, groups, args.sample, Path(tmp))
-            print(f"sample: {len(ids)} mutants of {', '.join(groups)} that a test reaches", flush=True)
+            ids, reached = _sample(cell, values, groups, args.sample, Path(tmp), args.spread)
+            what = "spread over the catalogue" if args.spread else "that a test reaches"
+            print(
+                f"sample: {len(ids)} mutants of {', '.join(groups)} {what}, {len(reached)} of them reached", flush=True
+            )
             timed = {}
             for mode in ("usual", "fork"):
                 out = Path(tmp) / mode
@@ -66,6 +74,7 @@ def main() -> int:
                     targets=groups,
                     only=tuple(ids),
                     fork=mode == "fork",
+                    fork_jobs=args.jobs,
                 )
                 t0 = time.monotonic()
                 runs = mutation.run_targets(cell, mo, progress=lambda line: None)
@@ -77,8 +86,8 @@ def main() -> int:
                         verdicts.update(_verdicts(f))
                 timed[mode] = (seconds, mutants_s, {i: verdicts.get(i) for i in ids})
                 print(
-                    f"{mode:5}: {mutants_s / len(ids):5.2f} s a mutant ({mutants_s:.0f} s for the mutants, "
-                    f"{seconds:.0f} s in all with the baseline)",
+                    f"{mode:5}: {mutants_s / len(ids):5.2f} s a mutant, {mutants_s / max(1, len(reached)):5.2f} s a "
+                    f"reached one ({mutants_s:.0f} s for the mutants, {seconds:.0f} s in all with the baseline)",
                     flush=True,
                 )
     (_, usual_s, usual), (_, fork_s, fork) = timed["usual"], timed["fork"]
@@ -89,13 +98,14 @@ def main() -> int:
     return 1 if differ else 0
 
 
-def _sample(cell, values, groups: tuple[str, ...], n: int, tmp: Path) -> list[str]:
-    """The first ``n`` mutants of ``groups`` that a test reaches and that were run, as a previous
-    `nox -s mutants --target GROUP` recorded them in results/ (run one first if there is none); its coverage
-    maps are copied beside both runs' results, so neither measures coverage again."""
+def _sample(cell, values, groups: tuple[str, ...], n: int, tmp: Path, spread: bool) -> tuple[list[str], set[str]]:
+    """``n`` mutants of ``groups`` as a previous `nox -s mutants --target GROUP` recorded them in results/ (run
+    one first if there is none), and which of them a test reaches: the first ``n`` reached ones, or with
+    ``spread`` every k-th of the whole catalogue.  The coverage maps are copied beside both runs' results, so
+    neither measures coverage again."""
     import shutil
 
-    ids = []
+    pool, reached = [], set()
     for group in groups:
         for f in (REPO / "results").glob(f"mutants-{cell.id}.coverage-{group}.json"):
             for mode in ("usual", "fork"):
@@ -105,15 +115,21 @@ def _sample(cell, values, groups: tuple[str, ...], n: int, tmp: Path) -> list[st
             REPO / "results" / (f"mutants-{cell.id}.json" if group == "multi" else f"mutants-{cell.id}--{group}.json")
         )
         if group == "multi" and not path.exists():  # MultiConnector's generated mutants, as the release spells them
-            ids += _generated_multi_ids(cell)
+            ids = _generated_multi_ids(cell)
+            pool += ids
+            reached.update(ids)
             continue
         if not path.exists():
             raise SystemExit(f"error: no {path.name}; run `nox -s mutants -- -k '{cell.id}' --target {group}` first")
         for m in json.loads(path.read_text())["mutants"]:
-            ran = m["status"] in ("killed", "survived") and m.get("how") != "unreached"
-            if ran and not (m.get("detail") or "").startswith("the same program as"):
-                ids.append(m["id"])
-    return ids[:n]
+            if m["status"] not in ("killed", "survived") or (m.get("detail") or "").startswith("the same program as"):
+                continue
+            if m.get("how") != "unreached":
+                reached.add(m["id"])
+            if spread or m["id"] in reached:
+                pool.append(m["id"])
+    ids = pool[:: max(1, len(pool) // n)][:n] if spread else pool[:n]
+    return ids, reached & set(ids)
 
 
 def _generated_multi_ids(cell) -> list[str]:

@@ -374,6 +374,7 @@ def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, tr
         order: str | None = None,
         engine_id: str = "kvcompat-engine",
         nixl_extra_config: dict[str, Any] | None = None,
+        offload_extra_config: dict[str, Any] | None = None,
     ) -> Engine:
         order = order or va.child_order()
         pair = kv_transfer_config is None  # the deployed pair (not a test's own children)
@@ -385,6 +386,7 @@ def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, tr
                 order=order,
                 world_size=tensor_parallel_size,
                 nixl_extra_config=nixl_extra_config,
+                offload_extra_config=offload_extra_config,
             )
         cfg = va.make_vllm_config(
             tiny_model_dir,

@@ -9,7 +9,10 @@ transfer stays in flight.  Every scenario ends with the engine back at its idle 
 
 from __future__ import annotations
 
+import importlib
 import inspect
+
+import pytest
 
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable, setup_owned_by
@@ -118,3 +121,47 @@ def test_reset_cache_refuses_while_a_store_is_in_flight_then_clears_the_cpu_tier
     served = cpu_tier_hit(engine, prompt, "reset-after")
     assert served == 0, f"the CPU tier still serves {served} tokens of the prompt after a successful reset"
     assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------
+# 4. the tier the user configured
+# ---------------------------------------------------------------------------
+def _takes_num_cpu_blocks() -> None:
+    """Explicit probe: the release's CPU-offload child reads ``num_cpu_blocks`` from its extra config."""
+    if not va.has_simple_cpu_offload():
+        not_applicable("this release's CPU-offload child is OffloadingConnector, whose tier kvcompat sizes by bytes")
+    if '"num_cpu_blocks"' not in inspect.getsource(importlib.import_module(va.V1 + ".simple_cpu_offload_connector")):
+        not_applicable("this release's SimpleCPUOffloadConnector takes no num_cpu_blocks")
+
+
+def test_cpu_tier_has_the_blocks_the_user_asked_for(make_engine):
+    """``num_cpu_blocks`` in the CPU-offload child's config, below what its byte budget allows, gives a CPU
+    tier of exactly that many blocks on the scheduler side and on the worker, and the tier works: a
+    prompt stored there is served from it."""
+    _takes_num_cpu_blocks()
+    asked = 24
+    engine = make_engine(offload_extra_config={"num_cpu_blocks": asked})
+    pool = engine.offload.scheduler_manager.cpu_block_pool
+    assert len(pool.blocks) == asked, f"the scheduler's CPU tier has {len(pool.blocks)} blocks, {asked} asked for"
+    worker = engine.ranks[0].connector._connectors[engine.offload_index].worker_handler
+    assert worker.num_cpu_blocks == asked, f"the worker's CPU tier has {worker.num_cpu_blocks} blocks, {asked} asked"
+    prompt = token_ids(3 * BLOCK + 5, start=520)
+    with setup_owned_by(STORED):
+        stored_prefix(engine, prompt, "sized-src")
+    assert cpu_tier_hit(engine, prompt, "sized") >= 3 * BLOCK, "the sized CPU tier did not serve a stored prompt"
+    assert_no_leak(engine)
+
+
+def test_a_cpu_tier_of_no_blocks_is_refused_at_start(tiny_model_dir, single_rank_distributed, nixl_agent):
+    """``num_cpu_blocks`` of 0 (or not a whole number) is refused when the engine is built, on the
+    scheduler side and on the worker, with an error that names the setting: never a tier that
+    silently holds nothing."""
+    _takes_num_cpu_blocks()
+    for bad in (0, "8"):
+        kvt = va.multi_kv_transfer_config(BLOCK, 64, offload_extra_config={"num_cpu_blocks": bad})
+        cfg = va.make_vllm_config(tiny_model_dir, block_size=BLOCK, num_gpu_blocks=64, kv_transfer_config=kvt)
+        kvc = va.make_kv_cache_config(64, block_size=BLOCK)
+        with pytest.raises(ValueError, match="num_cpu_blocks"):
+            va.make_scheduler(cfg, kvc)
+        with pytest.raises(ValueError, match="num_cpu_blocks"):
+            va.build_rank(cfg, kvc, 0)

@@ -198,3 +198,19 @@ def test_a_forked_mutants_time_limit_comes_from_its_own_tests():
     forked = _Forked(ctx=None, g=g, passed=["a", "b"], site=Path("."), timeout=150.0)
     assert (forked._limit(["a"]), forked._limit(["a", "b"]), forked._limit(None)) == (30.0, 105.0, 150.0)
     assert forked.answers == {} and forked.batched == set()
+
+
+def test_an_unchanged_enum_is_no_change_and_a_changed_one_is_named(tmp_path, monkeypatch):
+    """A module with an Enum: its members, made anew by the mutated source, count as unchanged when their
+    names and values are; a member whose value the mutant changed is named."""
+    source = "import enum\n\nclass State(enum.Enum):\n    READY = 1\n    BUSY = 2\n\ndef f():\n    return State.READY\n"
+    (tmp_path / "withenum.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("withenum", None)
+    mod = importlib.import_module("withenum")
+    try:
+        assert swap_module(mod, source.replace("return State.READY", "return State.BUSY")) == []
+        assert mod.f() is mod.State.BUSY, "the function's code was swapped and sees the module's own members"
+        assert "State.BUSY" in swap_module(mod, source.replace("BUSY = 2", "BUSY = 3"))
+    finally:
+        sys.modules.pop("withenum", None)

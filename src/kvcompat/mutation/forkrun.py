@@ -17,6 +17,7 @@ Nothing is written to the installed files: the pristine module stays on disk and
 
 from __future__ import annotations
 
+import enum
 import gc
 import importlib
 import importlib.util
@@ -68,6 +69,15 @@ def _function_of(value: object) -> object:
 
 
 def _equal(a: object, b: object) -> bool:
+    """Whether a value the mutated source made equals the module's own.  An Enum's members are compared
+    by class name, name and value (a new class's members never equal the old ones by identity), and the
+    containers of them (an Enum's member maps) element by element."""
+    if isinstance(a, enum.Enum) and isinstance(b, enum.Enum):
+        return (type(a).__qualname__, a.name) == (type(b).__qualname__, b.name) and _equal(a.value, b.value)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
     try:
         return bool(a is b or a == b)
     except Exception:  # noqa: BLE001 - an odd __eq__: count it as a change that cannot be moved

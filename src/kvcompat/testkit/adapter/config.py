@@ -130,16 +130,20 @@ def multi_kv_transfer_config(
     world_size: int = 1,
     bytes_per_block: int | None = None,
     nixl_extra_config: dict[str, Any] | None = None,
+    offload_extra_config: dict[str, Any] | None = None,
 ) -> Any:
     """KVTransferConfig for MultiConnector with a Nixl and a CPU-offload child in ``order`` (the
-    cell's by default); children without engine_id.  ``nixl_extra_config``: the Nixl child's own
-    extra config, as a user writes it (e.g. its ``kv_lease_duration``)."""
+    cell's by default); children without engine_id.  ``nixl_extra_config`` / ``offload_extra_config``:
+    a child's own extra config, as a user writes it (e.g. Nixl's ``kv_lease_duration``, the CPU tier's
+    ``num_cpu_blocks``), over the suite's."""
     from vllm.config import KVTransferConfig
 
     nixl: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
     if nixl_extra_config:
         nixl["kv_connector_extra_config"] = dict(nixl_extra_config)
-    children = [nixl, offload_child_config(block_size, num_gpu_blocks, world_size, bytes_per_block)]
+    offload = offload_child_config(block_size, num_gpu_blocks, world_size, bytes_per_block)
+    offload["kv_connector_extra_config"].update(offload_extra_config or {})
+    children = [nixl, offload]
     if child_index("nixl", order) == 1:
         children.reverse()
     return KVTransferConfig(
