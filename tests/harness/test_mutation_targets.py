@@ -606,8 +606,20 @@ def test_the_report_counts_and_lists_survivors_per_file(tmp_path):
     assert "| vllm-9.9.9 | scheduler | `a.py` | 1 | 1 | 1 | 0 | 0 |" in md
     assert "- `s` (line 12): desc s" in md and "Not reached by any test:" in md and "- `u` (line 40): desc u" in md
     assert "120 s in all (baseline 30 s, mutants 90 s): 5 mutants, 18.0 s a mutant; 3 suite runs" in md
+
     assert "methods chosen (1): `Scheduler.schedule`" in md
     assert "transport replaced (not mutated): `v1/simple_kv_offload/copy_backend.py`" in md
     html = report.render_html(loaded)
     assert "<h3>Per file</h3>" in html and "vllm-9.9.9 (scheduler)" in html
     assert re.search(r"<td>vllm-9.9.9</td><td>multi</td><td><code>v1/multi_connector.py</code></td><td>1</td>", html)
+
+
+def test_the_report_says_how_long_each_suite_took_a_mutant():
+    """With the upstream column scored too, the timing line gives each suite's seconds a mutant apart."""
+    from kvcompat.report import mutants as report
+
+    run = {"timing": {"baseline_s": 30, "mutants_s": 90, "decided": 5, "runs": 3, "ours_s": 10, "upstream_s": 80}}
+    assert report.timing(run) == (
+        "120 s in all (baseline 30 s, mutants 90 s): 5 mutants, 18.0 s a mutant "
+        "(our suite 2.0 s a mutant, vLLM's own 16.0 s); 3 suite runs, 30.0 s a suite run"
+    )

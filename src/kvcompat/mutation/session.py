@@ -491,6 +491,7 @@ def _score_group(
     site, state = site_for(mo.home, cell), state_for(mo.home, cell)
     decided: dict[str, MutantVerdict] = {}
     t0, runs = time.monotonic(), 0
+    spent = {"ours": 0.0, "upstream": 0.0}  # wall time of each suite's scoring, apart
     if len(g.planned) and g.name != "multi":
         ctx.say(f"{g.name}: {len(g.planned)} mutants in {len(g.sources)} files ({run.selection or 'whole suite'})")
     forked = _Forked(ctx, g, passed, site, timeout, mo.fork_jobs) if mo.fork else None
@@ -501,18 +502,22 @@ def _score_group(
             verdict = _same_as(p, twin)
         else:
             before = g.ours_before.get(p.mutant.id)
+            t_ours = time.monotonic()
             verdict = before or (forked and forked.verdict(n - 1))
             verdict = verdict or _score(ctx, guard, p, passed, killers, _lines(g, "ours", p))
+            spent["ours"] += time.monotonic() - t_ours
             runs += before is None and verdict.status in (KILLED, SURVIVED) and verdict.how != UNREACHED
             if upstream is not None and verdict.status in (KILLED, SURVIVED):
+                t_up = time.monotonic()
                 verdict.upstream = upstream(guard, p, _lines(g, "upstream", p))
+                spent["upstream"] += time.monotonic() - t_up
         decided[p.mutant.id] = verdict
         run.mutants = _merge(g.kept, list(decided.values()))
         ctx.say(f"mutant {n}/{len(g.planned)} {p.mutant.id}: {_say(verdict)}")
-        run.timing = _timing(baseline_s, time.monotonic() - t0, len(decided), runs)
+        run.timing = _timing(baseline_s, time.monotonic() - t0, len(decided), runs, spent)
         write_atomic(g.out, json.dumps(run.to_json(), indent=1))
     run.finished = now()
-    run.timing = _timing(baseline_s, time.monotonic() - t0, len(decided), runs)
+    run.timing = _timing(baseline_s, time.monotonic() - t0, len(decided), runs, spent)
     write_atomic(g.out, json.dumps(run.to_json(), indent=1))
     if g.kept:
         ctx.say(f"kept the previous run's verdicts of {len([k for k in g.kept if k.id not in decided])} other mutants")
@@ -657,13 +662,15 @@ class _Forked:
         )
 
 
-def _timing(baseline_s: float, mutants_s: float, decided: int, runs: int) -> dict:
+def _timing(baseline_s: float, mutants_s: float, decided: int, runs: int, spent: dict[str, float]) -> dict:
+    """What the mutants' loop cost: in all and a mutant, and (``ours_s``, ``upstream_s``) each suite's part."""
     return {
         "baseline_s": baseline_s,
         "mutants_s": round(mutants_s, 2),
         "decided": decided,
         "runs": runs,
         "per_mutant_s": round(mutants_s / decided, 2) if decided else None,
+        **{f"{suite}_s": round(seconds, 2) for suite, seconds in spent.items()},
     }
 
 

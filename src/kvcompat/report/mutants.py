@@ -261,9 +261,15 @@ def timing(run: dict) -> str:
     total = (t.get("baseline_s") or 0) + (t.get("mutants_s") or 0)
     runs = t.get("runs", 0)
     per_run = f", {t['mutants_s'] / runs:.1f} s a suite run" if runs else ""
+    split = ""
+    if t.get("upstream_s"):  # both suites scored: how long each took, a mutant
+        split = (
+            f" (our suite {t.get('ours_s', 0) / t['decided']:.1f} s a mutant, "
+            f"vLLM's own {t['upstream_s'] / t['decided']:.1f} s)"
+        )
     return (
         f"{total:.0f} s in all (baseline {t.get('baseline_s', 0):.0f} s, mutants {t.get('mutants_s', 0):.0f} s): "
-        f"{t['decided']} mutants, {t['mutants_s'] / t['decided']:.1f} s a mutant; {runs} suite runs{per_run}"
+        f"{t['decided']} mutants, {t['mutants_s'] / t['decided']:.1f} s a mutant{split}; {runs} suite runs{per_run}"
     )
 
 
