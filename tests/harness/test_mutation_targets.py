@@ -606,7 +606,6 @@ def test_the_report_counts_and_lists_survivors_per_file(tmp_path):
     assert "| vllm-9.9.9 | scheduler | `a.py` | 1 | 1 | 1 | 0 | 0 |" in md
     assert "- `s` (line 12): desc s" in md and "Not reached by any test:" in md and "- `u` (line 40): desc u" in md
     assert "120 s in all (baseline 30 s, mutants 90 s): 5 mutants, 18.0 s a mutant; 3 suite runs" in md
-
     assert "methods chosen (1): `Scheduler.schedule`" in md
     assert "transport replaced (not mutated): `v1/simple_kv_offload/copy_backend.py`" in md
     html = report.render_html(loaded)
