@@ -21,7 +21,16 @@ from kvcompat.outcomes import CHILD_ORDERS
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable, setup_owned_by
 
-from conftest import BLOCK, PD_READ, PREFILLED, assert_no_leak, patient_steps, pd_read_is_byte_exact, token_ids
+from conftest import (
+    BLOCK,
+    PD_READ,
+    PREFILLED,
+    assert_no_leak,
+    patient_steps,
+    pd_read_is_byte_exact,
+    stored_prefix,
+    token_ids,
+)
 
 NEVER = 10**9  # polls before a fake NIXL read completes: it stays in flight until the test lowers it
 MARK = -7.0  # what P's copy of a block is overwritten with when D must not read it
@@ -255,6 +264,30 @@ def test_decode_heartbeats_keep_the_prefill_blocks_past_the_lease_while_its_read
         d.step()
         p.step()
     assert _heartbeats(nixl_agent) == sent, "D kept heartbeating for a read that is over"
+    assert_no_leak(p, d)
+
+
+@pytest.mark.parametrize("order", CHILD_ORDERS)
+def test_a_decode_served_from_its_own_cpu_tier_still_releases_the_prefill_blocks(make_pd, nixl_agent, order):
+    """D already keeps the prompt in its CPU tier (a repeated prompt, evicted from its device cache) when
+    a P/D request for it arrives.  Whichever child MultiConnector lets load it (the first in config
+    order that has the tokens), D loads the prompt once, over NIXL or from its CPU tier, finishes the
+    request, and P's blocks are released by D's notification, not stranded until the lease ends;
+    neither engine leaks."""
+    p, d = make_pd(order=order)
+    prompt = token_ids(3 * BLOCK + 5, start=600)
+    stored_prefix(d, prompt, "own-tier-src")
+    cpu_loads_before = len(d.transfers.loads())
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("own-tier", prompt)
+    req = va.make_request("own-tier", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    assert _step_both(p, d, lambda: "own-tier" not in p.scheduler.requests), (
+        "P still holds the blocks of a request D served: stranded until the lease ends"
+    )
+    assert _step_both(p, d, lambda: req.is_finished()), f"D never finished the request ({req.status})"
+    over_nixl, from_tier = _reads(nixl_agent) > 0, len(d.transfers.loads()) > cpu_loads_before
+    assert over_nixl != from_tier, f"D loaded the prompt {'twice' if over_nixl else 'from nowhere'}"
     assert_no_leak(p, d)
 
 
