@@ -144,6 +144,7 @@ def test_concurrent_requests_across_prefill_and_decode_give_the_reference_and_le
 def test_prompt_length_edges_over_nixl_give_the_reference(fleet, request):
     """P/D with prompts shorter than one block, of exactly four blocks, four blocks and one token, and as
     long as the model takes: the decode's tokens are the reference for each."""
+    _baselines(fleet.prefill, fleet.decode)  # both engines up: that start is the idle-state contract's
     prompts = list(EDGES.values())
     reference = _reference(request, prompts)
     _, dec = _pd(fleet, prompts, "edges")
@@ -156,6 +157,7 @@ def test_prompt_length_edges_through_the_cpu_tier_give_the_reference(fleet, requ
     """The same edges through the CPU tier: served once, evicted from the device by fillers, served again.
     Each prompt of a block or more comes back from the CPU tier (cached tokens; the shorter one has no
     full block to keep) and every repeat gives the reference."""
+    _baselines(fleet.round_trip)
     prompts = list(EDGES.values())
     reference = _reference(request, prompts)
     engine = fleet.round_trip
@@ -177,6 +179,7 @@ def test_a_prefill_loads_from_its_cpu_tier_then_sends_over_nixl(fleet, request):
     """On the prefill node, a prompt already in its CPU tier (served once, then evicted from the device by
     fillers) is loaded from there for a remote-decode request, and that KV is what the decode reads over
     NIXL: the decode's tokens are the reference."""
+    _baselines(fleet.prefill, fleet.decode)
     prompt = FROM_PREFILL_CPU_TIER
     (ref,) = _reference(request, [prompt])
     fleet.prefill.generate([prompt], stage="prefill node, first serve", max_tokens=1)
@@ -193,6 +196,7 @@ def test_kv_received_over_nixl_is_kept_in_the_decode_cpu_tier_and_served_from_it
     """On the decode node, KV received over NIXL is stored in its CPU tier: after fillers evict the device
     copy, the same prompt sent to the decode node alone (no prefill) is served from its CPU tier, with
     the reference tokens."""
+    _baselines(fleet.prefill, fleet.decode)
     prompt = INTO_DECODE_CPU_TIER
     (ref,) = _reference(request, [prompt])
     start = fleet.decode.ask("counters", stage="decode node, counters")
@@ -326,6 +330,7 @@ def test_metrics_move_as_the_workload_says(fleet, request):
     engines log no stats (the probe: engine.stats_in_process, from the release's source) or where the
     release exports none of these metrics (the probe: the decode's metrics at start); a metric the
     release lacks is named and left out."""
+    _baselines(fleet.prefill, fleet.decode)
     for e in (fleet.prefill, fleet.decode):
         ready = e.wait_ready()
         if not ready.get("log_stats"):
