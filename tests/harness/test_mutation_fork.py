@@ -214,3 +214,23 @@ def test_an_unchanged_enum_is_no_change_and_a_changed_one_is_named(tmp_path, mon
         assert "State.BUSY" in swap_module(mod, source.replace("BUSY = 2", "BUSY = 3"))
     finally:
         sys.modules.pop("withenum", None)
+
+
+def test_a_forked_crash_is_scored_again_the_usual_way_and_a_failed_test_before_it_kills():
+    """A child that died without a failing test gets no verdict here (the usual way decides, in a fresh
+    pytest); a child whose test failed before it died is killed by that test."""
+    import types as _types
+
+    from kvcompat.mutation.session import KILLED, _Forked
+
+    mutant = _types.SimpleNamespace(id="m", contract="C.f", description="d", equivalent=False, same_as=None)
+    planned = [_types.SimpleNamespace(mutant=mutant, mutated="src", target="vllm/x.py", line=3)]
+    g = _types.SimpleNamespace(run=_types.SimpleNamespace(baseline={}), planned=planned)
+    forked = _Forked(ctx=None, g=g, passed=["t1", "t2"], site=Path("."), timeout=60.0)
+    forked.batched.add(0)
+    forked.answers["m"] = {"id": "m", "seconds": 1.0, "tests": [], "crash": "wait status 11", "why": ""}
+    assert forked.verdict(0) is None
+    failed = {"nodeid": "t1", "outcome": "failed", "message": "AssertionError: x"}
+    forked.answers["m"] = {"id": "m", "seconds": 1.0, "tests": [failed], "crash": "wait status 11", "why": ""}
+    v = forked.verdict(0)
+    assert (v.status, v.killed_by) == (KILLED, "t1")
