@@ -37,6 +37,16 @@ from kvcompat.testkit.probes import has_file
 REFERENCE = "test_a_plain_engine_generates_the_reference"
 PD = "test_prefill_then_decode_over_nixl_gives_the_reference_tokens"
 IDLE = "test_every_engine_reads_its_idle_state_at_start"
+ROUND_TRIP = "test_repeated_prompts_are_served_from_the_cpu_tier_with_the_reference_tokens"
+
+
+def _stored(engine, before: dict, after, what: str) -> None:
+    """A prompt in the CPU tier, as the round-trip contract gives it: the CPU-offload child stored
+    something between the engine's counters ``before`` and the answer ``after``.  When it stores
+    nothing, this test is blocked by that contract."""
+    with setup_owned_by(ROUND_TRIP):
+        stores = _transport(after).get("stores", 0) - before.get("transport", {}).get("stores", 0)
+        assert stores > 0, f"the {engine.name}'s CPU-offload child stored nothing of {what}"
 
 
 def _reference(request, prompts):
@@ -161,8 +171,10 @@ def test_prompt_length_edges_through_the_cpu_tier_give_the_reference(fleet, requ
     prompts = list(EDGES.values())
     reference = _reference(request, prompts)
     engine = fleet.round_trip
+    start = engine.ask("counters", stage="edges, counters")
     first = engine.generate(prompts, stage="edges, first pass", max_tokens=MAX_TOKENS)
-    engine.generate(round_trip_fillers(600), stage="edges, fillers", max_tokens=4)
+    filled = engine.generate(round_trip_fillers(600), stage="edges, fillers", max_tokens=4)
+    _stored(engine, start, filled, "the first pass")
     again = engine.generate(prompts, stage="edges, repeat", max_tokens=MAX_TOKENS)
     cached = {name: o["num_cached_tokens"] for name, o in zip(EDGES, again["outputs"], strict=True)}
     loads = _transport(again).get("loads", 0) - _transport(first).get("loads", 0)
@@ -182,8 +194,10 @@ def test_a_prefill_loads_from_its_cpu_tier_then_sends_over_nixl(fleet, request):
     _baselines(fleet.prefill, fleet.decode)
     prompt = FROM_PREFILL_CPU_TIER
     (ref,) = _reference(request, [prompt])
+    start = fleet.prefill.ask("counters", stage="prefill node, counters")
     fleet.prefill.generate([prompt], stage="prefill node, first serve", max_tokens=1)
     before = fleet.prefill.generate(pd_fillers(700), stage="prefill node, fillers", max_tokens=1)
+    _stored(fleet.prefill, start, before, "the prompt it served")
     pre, dec = _pd(fleet, [prompt], "from the prefill's CPU tier")
     loads = _transport(pre).get("loads", 0) - _transport(before).get("loads", 0)
     cached = pre["outputs"][0]["num_cached_tokens"]
