@@ -622,3 +622,24 @@ def test_the_report_says_how_long_each_suite_took_a_mutant():
         "120 s in all (baseline 30 s, mutants 90 s): 5 mutants, 18.0 s a mutant "
         "(our suite 2.0 s a mutant, vLLM's own 16.0 s); 3 suite runs, 30.0 s a suite run"
     )
+
+
+def test_a_rerun_of_a_few_mutants_writes_the_kept_verdicts_from_its_first_write(tmp_path):
+    """--mutant ID: the previous run's other verdicts are in the run from the start, so the results file
+    written before the first new verdict (after the baseline) still holds the whole score."""
+    import dataclasses as _dc
+    import types as _types
+
+    from kvcompat.mutation import session as s
+
+    out = tmp_path / "mutants-c--nixl.json"
+    prev = s.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t", scored=True, group="nixl")
+    prev.mutants = [s.MutantVerdict(id=i, contract="C.f", description="d", status="killed") for i in ("a", "b")]
+    out.write_text(json.dumps(prev.to_json()))
+    run = _dc.replace(prev, mutants=[], scored=False)
+    g = _types.SimpleNamespace(
+        run=run, out=out, planned=[_types.SimpleNamespace(mutant=_types.SimpleNamespace(id="a"))]
+    )
+    mo = _types.SimpleNamespace(only=("a",), upstream_only=False)
+    s._keep_previous(g, cell=None, mo=mo)
+    assert [m.id for m in run.mutants] == ["a", "b"]

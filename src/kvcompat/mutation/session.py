@@ -478,6 +478,9 @@ def _keep_previous(g: _Group, cell: Cell, mo: MutationOptions) -> None:
         g.kept = [v for v in g.kept if v.id not in {p.mutant.id for p in g.planned}]
         run.baseline, run.scored = prev["baseline"], True
     run.planned += len(g.kept)
+    # Every write of the results file from here on holds the kept verdicts: a rerun of a few mutants that is
+    # stopped before its first verdict leaves the previous run's score as it was, not emptied.
+    run.mutants = list(g.kept)
 
 
 def _score_group(
