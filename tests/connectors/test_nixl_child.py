@@ -291,6 +291,36 @@ def test_a_decode_served_from_its_own_cpu_tier_still_releases_the_prefill_blocks
     assert_no_leak(p, d)
 
 
+def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_agent):
+    """A NIXL read that breaks (the transport reports an error state, no bytes moved) does not hang D:
+    its request finishes (recomputed, or ended as the release's load-failure policy says), D leaks
+    nothing, and P frees its blocks, on D's word or when its lease ends."""
+    from vllm.v1.request import RequestStatus
+
+    lease_s = 2
+    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    prompt = token_ids(3 * BLOCK + 5, start=700)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("failed-read", prompt)
+    nixl_agent.failing_transfers = 1
+    req = va.make_request("failed-read", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    assert _step_both(p, d, lambda: nixl_agent.failed == 1), "the fake transport failed no read: no scenario"
+    for _ in range(3):
+        if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            break
+        d.step()
+    assert req.num_computed_tokens <= BLOCK or req.status == RequestStatus.FINISHED_ERROR, (
+        f"{req.num_computed_tokens} prompt tokens counted as computed from a read that failed"
+    )
+    assert _step_both(p, d, lambda: req.is_finished()), f"D's request whose read failed never finished ({req.status})"
+    assert req.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ERROR), req.status
+    assert _step_both(p, d, lambda: "failed-read" not in p.scheduler.requests), (
+        f"P still holds the blocks of a read that failed, past its {lease_s}s lease"
+    )
+    assert_no_leak(p, d)
+
+
 # ---------------------------------------------------------------------------
 # 3. aborts on the decode side release both sides
 # ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ process are kept in ``FakeNixlWrapper.instances``.
 ``_AgentsAndMemory`` (backends, memory registration, descriptor lists, remote
 agents), ``_Transfers`` (prepped lists, transfer handles and states, the byte
 copies) and ``_Notifications`` (queueing, delivery by name, draining); the
-class itself holds the process-wide state (``instances``, ``polls_until_done``).
+class itself holds the process-wide state (``instances``, ``polls_until_done``, ``failing_transfers``).
 """
 
 from __future__ import annotations
@@ -254,8 +254,15 @@ class _Transfers(_Recorder):
             # polls_until_done > 1 the first polls still see "PROC".
             x.polls += 1
             if x.polls >= self.polls_until_done:
-                x.state = "DONE"
-                self._complete(x)
+                with FakeNixlWrapper._lock:
+                    failing = FakeNixlWrapper.failing_transfers > 0
+                    FakeNixlWrapper.failing_transfers -= failing
+                if failing:  # what a backend reports for a transfer that broke: no bytes, no notification
+                    x.state = "ERR"
+                    FakeNixlWrapper.failed += 1
+                else:
+                    x.state = "DONE"
+                    self._complete(x)
         return x.state
 
     def get_xfer_telemetry(self, handle: int) -> FakeXferTelemetry:
@@ -323,6 +330,8 @@ class FakeNixlWrapper(_AgentsAndMemory, _Transfers, _Notifications):
 
     instances: ClassVar[list[FakeNixlWrapper]] = []
     polls_until_done: ClassVar[int] = 1
+    failing_transfers: ClassVar[int] = 0  # the next N transfers to complete end in "ERR" instead
+    failed: ClassVar[int] = 0  # transfers that ended in "ERR"
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, agent_name: str, config: Any = None, *args: Any, **kwargs: Any):
@@ -344,6 +353,7 @@ class FakeNixlWrapper(_AgentsAndMemory, _Transfers, _Notifications):
     def reset(cls) -> None:
         with cls._lock:
             cls.instances.clear()
+            cls.failing_transfers = cls.failed = 0
 
     @classmethod
     def named(cls, name: str | bytes) -> FakeNixlWrapper | None:
