@@ -291,13 +291,14 @@ def test_a_decode_served_from_its_own_cpu_tier_still_releases_the_prefill_blocks
     assert_no_leak(p, d)
 
 
-def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_agent):
+def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_agent, monkeypatch):
     """A NIXL read that breaks (the transport reports an error state, no bytes moved) does not hang D:
     its request finishes (recomputed, or ended as the release's load-failure policy says), D leaks
     nothing, and P frees its blocks, on D's word or when its lease ends."""
     from vllm.v1.request import RequestStatus
 
     lease_s = 2
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))  # the lease's knob before 0.20
     p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
     prompt = token_ids(3 * BLOCK + 5, start=700)
     with setup_owned_by(PREFILLED):
