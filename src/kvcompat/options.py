@@ -306,11 +306,11 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "--fork-jobs",
-        "with --fork: mutants in flight at once, each in its own forked child (default 4: much of a child's "
-        "time is spent waiting on vLLM's threads, so twice a 2-core machine's cores pay)",
+        "with --fork: mutants in flight at once, each in its own forked child (default 8: much of a child's "
+        "time is spent waiting on vLLM's threads; on 2 cores 8 beat 4, benchmarks/mutation_fork_bench.py)",
         ("mutants",),
-        whole("children", "4"),
-        default=4,
+        whole("children", "8"),
+        default=8,
         metavar="N",
     ),
     Option(

@@ -101,7 +101,7 @@ class MutationOptions:
     select_tests: bool = True
     # Score our suite in forked children of one pytest per batch (kvcompat.mutation.forkrun).
     fork: bool = False
-    fork_jobs: int = 4  # forked children in flight at once
+    fork_jobs: int = 8  # forked children in flight at once
 
     MIN_TIMEOUT_S = 120.0
 
@@ -1125,7 +1125,7 @@ def options_for(root: Path, values, pytest_args: list[str] = ()) -> MutationOpti
         pytest_args=tuple(pytest_args),
         upstream_only=bool(values.upstream_only),
         fork=bool(getattr(values, "fork", False)),
-        fork_jobs=int(getattr(values, "fork_jobs", 4) or 4),
+        fork_jobs=int(getattr(values, "fork_jobs", 8) or 8),
         targets=tg.check_groups(tuple(getattr(values, "target", ()) or tg.DEFAULT_GROUPS)),
     )
 
