@@ -18,7 +18,16 @@ from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable, setup_owned_by
 from kvcompat.testkit.adapter import children as ch
 
-from conftest import BLOCK, STORED, assert_no_leak, cpu_tier_hit, stored_prefix, token_ids, wait_until
+from conftest import (
+    BLOCK,
+    NUM_GPU_BLOCKS,
+    STORED,
+    assert_no_leak,
+    cpu_tier_hit,
+    stored_prefix,
+    token_ids,
+    wait_until,
+)
 
 
 def _can_reset_connectors(engine) -> None:
@@ -146,8 +155,7 @@ def test_cpu_tier_has_the_blocks_the_user_asked_for(make_engine):
     worker = engine.ranks[0].connector._connectors[engine.offload_index].worker_handler
     assert worker.num_cpu_blocks == asked, f"the worker's CPU tier has {worker.num_cpu_blocks} blocks, {asked} asked"
     prompt = token_ids(3 * BLOCK + 5, start=520)
-    with setup_owned_by(STORED):
-        stored_prefix(engine, prompt, "sized-src")
+    stored_prefix(engine, prompt, "sized-src")  # owned by the store contract (STORED) inside
     assert cpu_tier_hit(engine, prompt, "sized") >= 3 * BLOCK, "the sized CPU tier did not serve a stored prompt"
     assert_no_leak(engine)
 
@@ -158,9 +166,11 @@ def test_a_cpu_tier_of_no_blocks_is_refused_at_start(tiny_model_dir, single_rank
     silently holds nothing."""
     _takes_num_cpu_blocks()
     for bad in (0, "8"):
-        kvt = va.multi_kv_transfer_config(BLOCK, 64, offload_extra_config={"num_cpu_blocks": bad})
-        cfg = va.make_vllm_config(tiny_model_dir, block_size=BLOCK, num_gpu_blocks=64, kv_transfer_config=kvt)
-        kvc = va.make_kv_cache_config(64, block_size=BLOCK)
+        kvt = va.multi_kv_transfer_config(BLOCK, NUM_GPU_BLOCKS, offload_extra_config={"num_cpu_blocks": bad})
+        cfg = va.make_vllm_config(
+            tiny_model_dir, block_size=BLOCK, num_gpu_blocks=NUM_GPU_BLOCKS, kv_transfer_config=kvt
+        )
+        kvc = va.make_kv_cache_config(NUM_GPU_BLOCKS, block_size=BLOCK)
         with pytest.raises(ValueError, match="num_cpu_blocks"):
             va.make_scheduler(cfg, kvc)
         with pytest.raises(ValueError, match="num_cpu_blocks"):

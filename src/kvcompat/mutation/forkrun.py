@@ -237,8 +237,9 @@ def pytest_runtestloop(session: pytest.Session):
             running[child.rfd] = child
         soonest = min(c.deadline for c in running.values())
         ready, _, _ = select.select(list(running), [], [], max(0.0, min(soonest - time.monotonic(), 1.0)))
-        done = [(running[fd], False) for fd in ready if running[fd].read()]
-        done += [(c, True) for c in running.values() if c.deadline <= time.monotonic() and (c, False) not in done]
+        answered = {fd for fd in ready if running[fd].read()}
+        now = time.monotonic()
+        done = [(c, fd not in answered) for fd, c in running.items() if fd in answered or c.deadline <= now]
         for child, timed_out in done:
             del running[child.rfd]
             answer = child.answer(timed_out)

@@ -1125,7 +1125,7 @@ def options_for(root: Path, values, pytest_args: list[str] = ()) -> MutationOpti
         pytest_args=tuple(pytest_args),
         upstream_only=bool(values.upstream_only),
         fork=bool(getattr(values, "fork", False)),
-        fork_jobs=int(getattr(values, "fork_jobs", 8) or 8),
+        fork_jobs=int(getattr(values, "fork_jobs", None) or MutationOptions.fork_jobs),
         targets=tg.check_groups(tuple(getattr(values, "target", ()) or tg.DEFAULT_GROUPS)),
     )
 

@@ -257,9 +257,9 @@ class _Transfers(_Recorder):
                 with FakeNixlWrapper._lock:
                     failing = FakeNixlWrapper.failing_transfers > 0
                     FakeNixlWrapper.failing_transfers -= failing
+                    FakeNixlWrapper.failed += failing
                 if failing:  # what a backend reports for a transfer that broke: no bytes, no notification
                     x.state = "ERR"
-                    FakeNixlWrapper.failed += 1
                 else:
                     x.state = "DONE"
                     self._complete(x)
