@@ -132,8 +132,8 @@ def _run_plan(tmp_path: Path, plan: list[dict], jobs: int) -> tuple[dict, str]:
 
 @pytest.mark.parametrize("jobs", [1, 3])
 def test_forked_children_answer_per_mutant_and_the_parent_stays_pristine(tmp_path, jobs):
-    """The plugin end to end in a tiny pytest project: a killed mutant, a survivor, a timeout, a crash,
-    one child at a time or several at once."""
+    """The plugin end to end in a tiny pytest project: a killed mutant, a survivor, a timeout, a crash, a
+    child that dies only the first time (forked again, it answers), one child at a time or several at once."""
     (tmp_path / "lib.py").write_text("def inc(x):\n    return x + 1\n")
     (tmp_path / "test_lib.py").write_text(
         "import lib\n\ndef test_inc():\n    assert lib.inc(1) == 2\n\ndef test_type():\n    assert isinstance(lib.inc(1), int)\n"
@@ -155,13 +155,25 @@ def test_forked_children_answer_per_mutant_and_the_parent_stays_pristine(tmp_pat
             "tests": None,
             "timeout": 60,
         },
+        {
+            "id": "crashes-once",
+            "module": "lib",
+            "source": (
+                "def inc(x):\n    os = __import__('os')\n    mark = os.path.join(os.path.dirname(__file__), 'forked')\n"
+                "    if not os.path.exists(mark):\n        open(mark, 'w').close()\n        os._exit(9)\n    return x + 1\n"
+            ),
+            "tests": ["test_lib.py::test_inc"],
+            "timeout": 60,
+        },
     ]
     answers, output = _run_plan(tmp_path, plan, jobs)
     assert sorted(answers) == sorted(m["id"] for m in plan), output
     assert [t["outcome"] for t in answers["killed"]["tests"]] == ["failed"], "stops at the first failure"
     assert [t["outcome"] for t in answers["survived"]["tests"]] == ["passed", "passed"]
     assert answers["hangs"].get("timeout") is True
-    assert "crash" in answers["crashes"]
+    assert "crash" in answers["crashes"] and answers["crashes"]["retried"], "a crash is forked once more"
+    once = answers["crashes-once"]
+    assert "crash" not in once and once["retried"] and [t["outcome"] for t in once["tests"]] == ["passed"]
     assert all("imported" not in a for a in answers.values()), "the children's module lists stay in the parent"
     assert (tmp_path / "lib.py").read_text() == "def inc(x):\n    return x + 1\n", "the file on disk is never touched"
 

@@ -9,7 +9,8 @@ reference anyone holds sees the mutant, exactly as a mutated file on disk would 
 the mutant's tests (``tests``: node ids; null: the whole suite) in the order given, stops at the first
 failure, and reports each test's outcome through a pipe.  The parent appends one JSON line per mutant
 to OUT: ``{"id", "tests": [{"nodeid", "outcome", "message"}], "seconds"}`` plus ``"timeout": true``
-(the child was killed after ``timeout`` seconds), ``"crash": "…"`` (it died without answering) or
+(the child was killed after ``timeout`` seconds), ``"crash": "…"`` (it died without answering, twice: a
+child that dies is forked once more, ``"retried": true``) or
 ``"unswappable": [names]`` (a change outside any function: the harness runs that mutant the slow way).
 
 Nothing is written to the installed files: the pristine module stays on disk and in the parent.
@@ -244,6 +245,13 @@ def pytest_runtestloop(session: pytest.Session):
             del running[child.rfd]
             answer = child.answer(timed_out)
             _import_too(answer.pop("imported", []))
+            if "crash" in answer and not child.mutant.get("retried"):
+                # A child that died of the fork itself (a library's state copied mid-use) is no verdict, and
+                # the usual way costs a whole pytest: fork it once more first.
+                waiting.insert(0, {**child.mutant, "retried": True})
+                continue
+            if child.mutant.get("retried"):
+                answer["retried"] = True
             for t in answer.get("tests", []):
                 if t["outcome"] not in ("passed", "not_applicable") and t["nodeid"] not in killers:
                     killers.insert(0, t["nodeid"])
