@@ -1,10 +1,12 @@
 """Survivors of a mutation run, per method: reached (its tests ran and passed), not reached, killed.
 
-    python3 docs/evidence/survivors_by_method.py results/mutants-<cell>--<group>.json [--top 20]
+    python3 docs/evidence/survivors_by_method.py results/mutants-<cell>--<group>.json [--top 20] [--unexplained]
 
 Reads the run's results file (written by `nox -s mutants -- --target GROUP`) and prints one line per method
 with survivors, most survivors first: where contracts are missing, or where the code serves a configuration
-the pair's suite does not run (the report's per-file list names every survivor and its line).
+the pair's suite does not run (the report's per-file list names every survivor and its line).  "explained":
+of the survivors, those whose cause tests/mutants/equivalent-<group>.toml writes down; --unexplained lists only
+the methods that still have survivors nobody has explained.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", type=Path)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--unexplained", action="store_true", help="only methods with survivors not yet explained")
     args = ap.parse_args()
     if not args.results.is_file():
         print(f"error: {args.results} is not a file; give a results/mutants-*.json of a mutation run", file=sys.stderr)
@@ -29,16 +32,19 @@ def main() -> int:
     for m in run["mutants"]:
         kind = "not reached" if m.get("how") == "unreached" else m["status"]
         counts[(Path(m.get("file") or "?").name, m["contract"])][kind] += 1
+        counts[(Path(m.get("file") or "?").name, m["contract"])]["explained"] += bool(m.get("explained"))
     rows = [(k, c) for k, c in counts.items() if c["survived"] or c["not reached"]]
+    if args.unexplained:
+        rows = [(k, c) for k, c in rows if c["survived"] + c["not reached"] > c["explained"]]
     rows.sort(key=lambda kc: -(kc[1]["survived"] + kc[1]["not reached"]))
     total = collections.Counter()
     for c in counts.values():
         total.update(c)
     print(f"{run['id']} --target {run.get('group')}: " + ", ".join(f"{n} {k}" for k, n in sorted(total.items())))
-    print("| file | method | survived (reached) | not reached | killed |")
-    print("|---|---|---|---|---|")
+    print("| file | method | survived (reached) | not reached | explained | killed |")
+    print("|---|---|---|---|---|---|")
     for (file, method), c in rows[: args.top]:
-        print(f"| `{file}` | `{method}` | {c['survived']} | {c['not reached']} | {c['killed']} |")
+        print(f"| `{file}` | `{method}` | {c['survived']} | {c['not reached']} | {c['explained']} | {c['killed']} |")
     if len(rows) > args.top:
         print(f"({len(rows) - args.top} more methods with survivors)")
     return 0

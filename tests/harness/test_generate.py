@@ -128,3 +128,30 @@ def test_equivalence_reasons_are_per_release(tmp_path):
     path.write_text('[[equivalent]]\nids = ["x"]\n')
     with pytest.raises(gen.GenerateError, match="needs ids and a reason"):
         gen.load_reasons(path)
+
+
+def test_explained_survivors_are_read_apart_from_equivalent_ones(tmp_path):
+    """[[explained]]: why a survivor survives, per release; it never makes a mutant equivalent (not run)."""
+    path = tmp_path / "equivalent-nixl.toml"
+    path.write_text(
+        textwrap.dedent(
+            """
+            [[explained]]
+            ids = ["gen-multiconnector-has-pending-push-work-.*"]
+            regex = true
+            releases = ["0.34.0"]
+            reason = "only push mode reaches it (y.py:2); the suite pulls"
+            """
+        )
+    )
+    reasons = gen.load_reasons(path)
+    mid = "gen-multiconnector-has-pending-push-work-any-to-all-1"
+    assert reasons.explanation_for(mid, "0.34.0").startswith("only push mode")
+    assert reasons.explanation_for(mid, "0.33.0") is None and reasons.reason_for(mid, "0.34.0") is None
+    assert {m.id: m.equivalent for m in gen.mutants_for(SOURCE, "0.34.0", reasons)}[mid] is None
+    path.write_text('[[explained]]\nids = ["gen-(x"]\nregex = true\nreason = "r"\n')
+    with pytest.raises(gen.GenerateError, match="explained 1: 'gen-\\(x' is not a regular expression"):
+        gen.load_reasons(path)
+    path.write_text('[[explained]]\nids = ["x"]\n')
+    with pytest.raises(gen.GenerateError, match="explained 1: needs ids and a reason"):
+        gen.load_reasons(path)

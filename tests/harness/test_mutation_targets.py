@@ -565,8 +565,9 @@ def run_json(group: str, mutants: list[dict], **extra) -> dict:
     }
 
 
-def m(i: str, status: str, file: str = "vllm/a.py", how: str | None = None, line: int = 3) -> dict:
+def m(i: str, status: str, file: str = "vllm/a.py", how: str | None = None, line: int = 3, **extra) -> dict:
     return {
+        **extra,
         "id": i,
         "contract": "C.f",
         "description": f"desc {i}",
@@ -585,6 +586,7 @@ def test_the_report_counts_and_lists_survivors_per_file(tmp_path):
                 m("k", "killed"),
                 m("s", "survived", line=12),
                 m("u", "survived", how="unreached", line=40),
+                m("x", "survived", line=13, explained="only TP > 1 reaches it (a.py:13)"),
                 m("e", "equivalent", file="vllm/b.py"),
                 m("n", "not_applicable", file="vllm/b.py"),
             ],
@@ -598,14 +600,29 @@ def test_the_report_counts_and_lists_survivors_per_file(tmp_path):
     loaded = report.load([tmp_path])
     assert [r["group"] for r in loaded] == ["multi", "scheduler"]  # one cell, two groups: both kept
     assert report.file_counts(loaded[1]) == {
-        "vllm/a.py": {"killed": 1, "survived": 1, "not reached": 1, "equivalent": 0, "not applicable": 0},
-        "vllm/b.py": {"killed": 0, "survived": 0, "not reached": 0, "equivalent": 1, "not applicable": 1},
+        "vllm/a.py": {
+            "killed": 1,
+            "survived": 2,
+            "not reached": 1,
+            "explained": 1,
+            "equivalent": 0,
+            "not applicable": 0,
+        },
+        "vllm/b.py": {
+            "killed": 0,
+            "survived": 0,
+            "not reached": 0,
+            "explained": 0,
+            "equivalent": 1,
+            "not applicable": 1,
+        },
     }
     md = report.render_markdown(loaded)
-    assert "| vllm-9.9.9 (scheduler) | 1 | 2 |" in md
-    assert "| vllm-9.9.9 | scheduler | `a.py` | 1 | 1 | 1 | 0 | 0 |" in md
+    assert "| vllm-9.9.9 (scheduler) | 1 | 3 |" in md
+    assert "| vllm-9.9.9 | scheduler | `a.py` | 1 | 2 | 1 | 1 | 0 | 0 |" in md
     assert "- `s` (line 12): desc s" in md and "Not reached by any test:" in md and "- `u` (line 40): desc u" in md
-    assert "120 s in all (baseline 30 s, mutants 90 s): 5 mutants, 18.0 s a mutant; 3 suite runs" in md
+    assert "Explained (1, lines 13): only TP > 1 reaches it (a.py:13)\n\n- `x` (line 13): desc x" in md
+    assert "120 s in all (baseline 30 s, mutants 90 s): 6 mutants, 15.0 s a mutant; 3 suite runs" in md
     assert "methods chosen (1): `Scheduler.schedule`" in md
     assert "transport replaced (not mutated): `v1/simple_kv_offload/copy_backend.py`" in md
     html = report.render_html(loaded)
@@ -638,8 +655,30 @@ def test_a_rerun_of_a_few_mutants_writes_the_kept_verdicts_from_its_first_write(
     out.write_text(json.dumps(prev.to_json()))
     run = _dc.replace(prev, mutants=[], scored=False)
     g = _types.SimpleNamespace(
-        run=run, out=out, planned=[_types.SimpleNamespace(mutant=_types.SimpleNamespace(id="a"))]
+        run=run, out=out, planned=[_types.SimpleNamespace(mutant=_types.SimpleNamespace(id="a"))], explain=lambda v: v
     )
     mo = _types.SimpleNamespace(only=("a",), upstream_only=False)
     s._keep_previous(g, cell=None, mo=mo)
     assert [m.id for m in run.mutants] == ["a", "b"]
+
+
+def test_survivors_are_explained_afresh_on_every_run_kept_verdicts_too(tmp_path):
+    """A survivor gets its [[explained]] reason from today's file: an entry added since (or one taken away)
+    shows on a rerun of a few mutants; a killed mutant never carries one."""
+    from kvcompat.mutation import generate as gen
+    from kvcompat.mutation import session as s
+
+    path = tmp_path / "equivalent-nixl.toml"
+    path.write_text(
+        '[[explained]]\nids = ["gen-a-.*"]\nregex = true\nreleases = ["0.34.0"]\nreason = "TP > 1 (a.py:3)"\n'
+    )
+    run = s.MutationRun(cell={"id": "c"}, catalogue="", target="t", started="t", group="nixl")
+    g = s._Group("nixl", None, {}, [], run, tmp_path / "out.json", reasons=gen.load_reasons(path), release="0.34.0")
+    v = lambda i, st, e=None: s.MutantVerdict(id=i, contract="C.f", description="d", status=st, explained=e)  # noqa: E731
+    assert g.explain(v("gen-a-1", "survived")).explained == "TP > 1 (a.py:3)"
+    assert g.explain(v("gen-a-2", "killed", "stale")).explained is None
+    assert g.explain(v("gen-b-1", "survived", "stale")).explained is None, "a reason taken away goes away"
+    run.mutants = [g.explain(v("gen-a-1", "survived")), v("gen-b-1", "survived")]
+    assert run.explained == 1 and run.to_json()["explained"] == 1
+    run.scored = True
+    assert "(1 explained)" in s.summary(run)

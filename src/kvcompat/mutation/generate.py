@@ -206,18 +206,50 @@ class Reasons:
     [[equivalent]] entries: ``ids`` (generated ids, or regular expressions over them with
     ``regex = true``), ``releases`` (a list of versions, or ``"*"``), ``reason`` (read from that
     release's children, with file:line).  ``[methods]``: "<Class>.<method>" = why no mutant is needed.
+    [[explained]] entries, the same shape: why a mutant that survives does (code only a configuration the
+    suite never sets up runs, or the contract a test would need), with the release's lines.  Unlike an
+    equivalent one, such a mutant is still run and, if it survives, still counted as a survivor.
     """
 
     equivalent: tuple[tuple[tuple[str, ...], bool, tuple[str, ...], str], ...]
     method_reasons: dict[str, str]
+    explained: tuple[tuple[tuple[str, ...], bool, tuple[str, ...], str], ...] = ()
 
     def reason_for(self, mutant_id: str, release: str) -> str | None:
-        for ids, regex, releases, reason in self.equivalent:
-            if "*" not in releases and release not in releases:
-                continue
-            if any((re.fullmatch(i, mutant_id) if regex else i == mutant_id) for i in ids):
-                return reason
-        return None
+        return _first_match(self.equivalent, mutant_id, release)
+
+    def explanation_for(self, mutant_id: str, release: str) -> str | None:
+        return _first_match(self.explained, mutant_id, release)
+
+
+def _first_match(entries, mutant_id: str, release: str) -> str | None:
+    for ids, regex, releases, reason in entries:
+        if "*" not in releases and release not in releases:
+            continue
+        if any((re.fullmatch(i, mutant_id) if regex else i == mutant_id) for i in ids):
+            return reason
+    return None
+
+
+def _entries(path: Path, data: dict, kind: str) -> tuple:
+    entries = []
+    for n, e in enumerate(data.get(kind, []), 1):
+        ids, releases, reason = e.get("ids"), e.get("releases", "*"), e.get("reason")
+        if isinstance(ids, str):
+            ids = [ids]
+        if isinstance(releases, str):
+            releases = [releases]
+        if not ids or not isinstance(reason, str) or not reason.strip():
+            why = "why no test can tell it apart" if kind == "equivalent" else "why it survives, with the lines"
+            raise GenerateError(f"{path}, {kind} {n}: needs ids and a reason ({why})")
+        regex = bool(e.get("regex", False))
+        for i in ids if regex else ():
+            try:
+                re.compile(i)
+            except re.error as exc:
+                raise GenerateError(f"{path}, {kind} {n}: {i!r} is not a regular expression ({exc}); fix it") from None
+        entries.append((tuple(ids), regex, tuple(releases), reason))
+    return tuple(entries)
 
 
 def load_reasons(path: Path | None) -> Reasons:
@@ -227,20 +259,10 @@ def load_reasons(path: Path | None) -> Reasons:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise GenerateError(f"{path} is not valid TOML ({exc}); fix it") from None
-    entries = []
-    for n, e in enumerate(data.get("equivalent", []), 1):
-        ids, releases, reason = e.get("ids"), e.get("releases", "*"), e.get("reason")
-        if isinstance(ids, str):
-            ids = [ids]
-        if isinstance(releases, str):
-            releases = [releases]
-        if not ids or not isinstance(reason, str) or not reason.strip():
-            raise GenerateError(f"{path}, equivalent {n}: needs ids and a reason (why no test can tell it apart)")
-        entries.append((tuple(ids), bool(e.get("regex", False)), tuple(releases), reason))
     methods_ = data.get("methods", {})
     if not all(isinstance(v, str) and v.strip() for v in methods_.values()):
         raise GenerateError(f"{path}: every [methods] entry needs a reason")
-    return Reasons(tuple(entries), dict(methods_))
+    return Reasons(_entries(path, data, "equivalent"), dict(methods_), _entries(path, data, "explained"))
 
 
 def mutants_for(source: str, release: str, reasons: Reasons) -> list[GeneratedMutant]:

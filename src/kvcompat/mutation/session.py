@@ -124,6 +124,9 @@ class MutantVerdict:
     file: str | None = None  # the mutated file, inside site-packages
     line: int | None = None  # where the change starts in the pristine file
     tests_run: int | None = None  # how many tests coverage picked for it (None: the whole suite)
+    # A survivor's [[explained]] reason (tests/mutants/equivalent-<group>.toml): why it survives, with the
+    # release's lines.  Still a survivor; read afresh on every run, kept verdicts included.
+    explained: str | None = None
 
 
 @dataclasses.dataclass
@@ -171,6 +174,10 @@ class MutationRun:
         return sum(1 for m in self.mutants if m.status == SURVIVED and m.how == UNREACHED)
 
     @property
+    def explained(self) -> int:
+        return sum(1 for m in self.mutants if m.status == SURVIVED and m.explained)
+
+    @property
     def ok(self) -> bool:
         """Baseline green, every mutant decided, none survived, every method covered or explained."""
         return self.scored and self.finished is not None and not self.survivors and not self.uncovered
@@ -197,6 +204,7 @@ class MutationRun:
             "timing": self.timing,
             "counts": self.counts(),
             "not_reached": self.not_reached,
+            "explained": self.explained,
             "coverage": self.coverage,
             "mutants": [dataclasses.asdict(m) for m in self.mutants],
         }
@@ -310,6 +318,13 @@ class _Group:
     kept: list[MutantVerdict] = dataclasses.field(default_factory=list)
     ours_before: dict[str, MutantVerdict] = dataclasses.field(default_factory=dict)
     maps: dict[str, dict[str, covmap.FileLines] | None] = dataclasses.field(default_factory=dict)  # per suite
+    reasons: gen.Reasons = dataclasses.field(default_factory=lambda: gen.Reasons((), {}))
+    release: str = ""
+
+    def explain(self, v: MutantVerdict) -> MutantVerdict:
+        """``v`` with its [[explained]] reason when it survived (none otherwise, or when none is given now)."""
+        v.explained = self.reasons.explanation_for(v.id, self.release) if v.status == SURVIVED else None
+        return v
 
     @property
     def hashes(self) -> dict[str, str]:
@@ -374,7 +389,8 @@ def _group(cell: Cell, mo: MutationOptions, ctx: CellContext, group: str, writte
         replaced=list(resolved.replaced),
         absent=resolved.absent,
     )
-    return _Group(group, resolved, sources, mutants, run, results_path(mo.results_dir, cell.id, group))
+    out = results_path(mo.results_dir, cell.id, group)
+    return _Group(group, resolved, sources, mutants, run, out, reasons=reasons, release=cell.vllm)
 
 
 def _plan(g: _Group, only: tuple[str, ...]) -> None:
@@ -466,7 +482,7 @@ def _keep_previous(g: _Group, cell: Cell, mo: MutationOptions) -> None:
     ours' verdicts of every mutant."""
     run = g.run
     run.planned = len(g.planned)
-    g.kept = _kept_verdicts(g.out, run, mo.only or (("*",) if mo.upstream_only else ()))
+    g.kept = [g.explain(v) for v in _kept_verdicts(g.out, run, mo.only or (("*",) if mo.upstream_only else ()))]
     g.ours_before = {v.id: v for v in g.kept} if mo.upstream_only else {}
     if mo.upstream_only:
         prev = read_run(g.out) or {}
@@ -514,7 +530,7 @@ def _score_group(
                 t_up = time.monotonic()
                 verdict.upstream = upstream(guard, p, _lines(g, "upstream", p))
                 spent["upstream"] += time.monotonic() - t_up
-        decided[p.mutant.id] = verdict
+        decided[p.mutant.id] = g.explain(verdict)
         run.mutants = _merge(g.kept, list(decided.values()))
         ctx.say(f"mutant {n}/{len(g.planned)} {p.mutant.id}: {_say(verdict)}")
         run.timing = _timing(baseline_s, time.monotonic() - t0, len(decided), runs, spent)
@@ -528,7 +544,8 @@ def _score_group(
     absent = f" ({run.absent})" if run.absent else ""
     ctx.say(
         f"{'' if g.name == 'multi' else g.name + ': '}{c[KILLED]} killed, {c[SURVIVED]} survived"
-        f"{f' ({run.not_reached} of them reached by no test)' if run.not_reached else ''}, "
+        f"{f' ({run.not_reached} of them reached by no test)' if run.not_reached else ''}"
+        f"{f' ({run.explained} of them explained)' if run.explained else ''}, "
         f"{c[NOT_APPLICABLE]} not applicable, {c[EQUIVALENT]} equivalent{absent}; wrote {_rel(g.out, mo.repo)}"
     )
 
@@ -1059,10 +1076,11 @@ def _say_ours(v: MutantVerdict) -> str:
         who = v.killed_by.split("::")[-1] if v.how == "test" else v.how
         ran = f" ({v.tests_run} tests picked)" if v.tests_run is not None else ""
         return f"killed by {who} in {v.seconds:.1f}s{ran}{twin}"
+    why = f"; explained: {v.explained}" if v.explained else ""
     if v.status == SURVIVED and v.how == UNREACHED:
-        return f"SURVIVED ({v.contract}): no test reaches it (not run)"
+        return f"SURVIVED ({v.contract}): no test reaches it (not run){why}"
     if v.status == SURVIVED:
-        return f"SURVIVED ({v.contract}) in {v.seconds:.1f}s{twin}"
+        return f"SURVIVED ({v.contract}) in {v.seconds:.1f}s{twin}{why}"
     if v.status == EQUIVALENT:
         return f"equivalent: {v.reason}"
     return f"not applicable ({v.detail})"
@@ -1138,6 +1156,8 @@ def summary(run: MutationRun) -> str:
     text = f"{who}: {c[KILLED]} killed, {c[SURVIVED]} survived"
     if run.not_reached:
         text += f" ({run.not_reached} reached by no test)"
+    if run.explained:
+        text += f" ({run.explained} explained)"
     names = [m.id for m in run.survivors]
     more = f" and {len(names) - SUMMARY_NAMES} more" if len(names) > SUMMARY_NAMES else ""
     text += f" ({', '.join(names[:SUMMARY_NAMES])}{more})" if names else ""

@@ -227,7 +227,7 @@ def render_html(runs: list[dict]) -> str:
 
 # -- per file ------------------------------------------------------------------------------------------
 
-FILE_COLUMNS = ("killed", "survived", "not reached", "equivalent", "not applicable")
+FILE_COLUMNS = ("killed", "survived", "not reached", "explained", "equivalent", "not applicable")
 
 
 def _file_of(m: dict, run: dict) -> str:
@@ -240,7 +240,8 @@ def _where(m: dict) -> str:
 
 
 def file_counts(run: dict) -> dict[str, dict[str, int]]:
-    """Per mutated file of a run: killed, survived (ran, all green), not reached (not run), equivalent, not applicable."""
+    """Per mutated file of a run: killed, survived (ran, all green), not reached (not run), explained (of those
+    two: why each survives is written down with the release's lines), equivalent, not applicable."""
     out: dict[str, dict[str, int]] = {}
     for f in run.get("files") or []:
         out[f["path"]] = dict.fromkeys(FILE_COLUMNS, 0)
@@ -248,6 +249,7 @@ def file_counts(run: dict) -> dict[str, dict[str, int]]:
         c = out.setdefault(_file_of(m, run), dict.fromkeys(FILE_COLUMNS, 0))
         if m["status"] == "survived":
             c["not reached" if m.get("how") == UNREACHED else "survived"] += 1
+            c["explained"] += bool(m.get("explained"))
         else:
             c[m["status"].replace("_", " ")] += 1
     return out
@@ -286,7 +288,8 @@ def render_per_file(runs: list[dict]) -> list[str]:
         "### Per file",
         "",
         "Survived: the tests that execute the mutated lines ran and passed. Not reached: no test executes "
-        "them (coverage of the unmutated suite), so nothing ran.",
+        "them (coverage of the unmutated suite), so nothing ran. Explained: of those two, the survivors whose "
+        "cause is written down with the release's lines (tests/mutants/equivalent-<group>.toml); still survivors.",
         "",
         "| cell | group | file | " + " | ".join(FILE_COLUMNS) + " |",
         "|---|---|---|" + "---|" * len(FILE_COLUMNS),
@@ -322,12 +325,31 @@ def render_per_file(runs: list[dict]) -> list[str]:
             unreached = [m for m in survivors if m.get("how") == UNREACHED]
             title = f"Survivors in {_label(run)}, `{_short(path)}`: {len(ran)} ran"
             title += f", {len(unreached)} not reached" if unreached else ""
+            title += f", {sum(1 for m in survivors if m.get('explained'))} of them explained"
             out += [f"<details><summary>{title}</summary>", ""]
-            out += [f"- `{m['id']}` (line {m.get('line') or '?'}): {m['description']}" for m in ran]
-            if unreached:
+            out += [_survivor(m) for m in ran if not m.get("explained")]
+            if any(not m.get("explained") for m in unreached):
                 out += ["", "Not reached by any test:", ""]
-                out += [f"- `{m['id']}` (line {m.get('line') or '?'}): {m['description']}" for m in unreached]
+                out += [_survivor(m) for m in unreached if not m.get("explained")]
+            out += _explained([m for m in survivors if m.get("explained")])
             out += ["", "</details>", ""]
+    return out
+
+
+def _survivor(m: dict) -> str:
+    return f"- `{m['id']}` (line {m.get('line') or '?'}): {m['description']}"
+
+
+def _explained(survivors: list[dict]) -> list[str]:
+    """The explained survivors, once per reason (a reason often covers a whole method)."""
+    by_reason: dict[str, list[dict]] = {}
+    for m in survivors:
+        by_reason.setdefault(m["explained"], []).append(m)
+    out = []
+    for reason, ms in by_reason.items():
+        where = ", ".join(sorted({str(m.get("line") or "?") for m in ms}, key=lambda x: (len(x), x)))
+        out += ["", f"Explained ({len(ms)}, lines {where}): {reason}", ""]
+        out += [_survivor(m) for m in ms]
     return out
 
 
