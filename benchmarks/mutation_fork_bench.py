@@ -1,7 +1,7 @@
 """Benchmark: our suite's mutation verdicts the usual way and forked, on the same mutants, side by side.
 
     python benchmarks/mutation_fork_bench.py [--cell "vllm_0_34_0 and torch_2_14_0"] [--target aggregator]
-        [--target offload] [--sample 40] [--spread] [--jobs 8] [--transfer-wait 5]
+        [--target offload] [--sample 40] [--spread] [--jobs 16] [--transfer-wait 5]
 
 Needs the cell run once (`nox -s matrix -k CELL`) and a previous `nox -s mutants --target GROUP` of each group.
 Takes SAMPLE mutants of the groups, then scores them twice in one run, our suite only (the upstream column is
@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("--target", action="append", default=[], help="a group (repeatable; default aggregator, offload)")
     ap.add_argument("--sample", type=int, default=40, help="mutants a test reaches, taken in file order")
     ap.add_argument("--spread", action="store_true", help="every k-th mutant of the catalogue, reached or not")
-    ap.add_argument("--jobs", type=int, default=8, help="forked children at a time (nox -s mutants --fork-jobs)")
+    ap.add_argument("--jobs", type=int, default=16, help="forked children at a time (nox -s mutants --fork-jobs)")
     ap.add_argument(
         "--transfer-wait", type=float, default=None, help="KVCOMPAT_TRANSFER_WAIT_S for both (a quiet machine)"
     )

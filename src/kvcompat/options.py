@@ -306,11 +306,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "--fork-jobs",
-        "with --fork: mutants in flight at once, each in its own forked child (default 8: much of a child's "
-        "time is spent waiting on vLLM's threads; on 2 cores 8 beat 4, benchmarks/mutation_fork_bench.py)",
+        "with --fork: mutants in flight at once, each in its own forked child (default 16: most of a child's "
+        "time is spent waiting on vLLM's threads, such as Nixl's handshake listener's 1 s poll at shutdown; "
+        "on 2 cores 16 beat 12 and 8, benchmarks/mutation_fork_bench.py)",
         ("mutants",),
-        whole("children", "8"),
-        default=8,
+        whole("children", "16"),
+        default=16,
         metavar="N",
     ),
     Option(

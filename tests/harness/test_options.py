@@ -59,7 +59,7 @@ def test_fork_jobs_is_a_whole_number_of_children(value):
         options.parse("mutants", [f"--fork-jobs={value}"], {})
     assert (
         str(err.value)
-        == f"--fork-jobs={value!r} is not a whole number of children (1 or more); write e.g. --fork-jobs=8"
+        == f"--fork-jobs={value!r} is not a whole number of children (1 or more); write e.g. --fork-jobs=16"
     )
     assert options.parse("mutants", ["--fork-jobs=3"], {})[0].fork_jobs == 3
 

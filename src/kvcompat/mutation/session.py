@@ -101,7 +101,7 @@ class MutationOptions:
     select_tests: bool = True
     # Score our suite in forked children of one pytest per batch (kvcompat.mutation.forkrun).
     fork: bool = False
-    fork_jobs: int = 8  # forked children in flight at once
+    fork_jobs: int = 16  # forked children in flight at once
 
     MIN_TIMEOUT_S = 120.0
 
