@@ -16,9 +16,28 @@ from kvcompat.mutation.forkrun import swap_module
 
 SOURCE = textwrap.dedent(
     """
+    import contextlib
     import dataclasses
+    import functools
 
     LIMIT = 2
+
+    @contextlib.contextmanager
+    def opened(x):
+        yield x + 1
+
+    @functools.lru_cache
+    def cached(x):
+        return x * 10
+
+    class Box:
+        def __init__(self, f):
+            self.f = f
+
+        def __call__(self, x):
+            return self.f(x)
+
+    boxed = Box(lambda x: x - 1)
 
     def top(x):
         return x + 1
@@ -91,6 +110,24 @@ def test_an_unchanged_source_changes_nothing(module):
     before = module.Counter.add.__code__
     assert swap_module(module, SOURCE) == []
     assert module.Counter.add.__code__ is before
+
+
+def test_decorated_functions_are_swapped_through_their_wrappers(module):
+    """@contextmanager and @lru_cache keep the function in a wrapper whose own code never changes: the
+    wrapped function's code is what must move (and a cache the pristine code filled must not answer)."""
+    assert module.cached(2) == 20
+    mutated = SOURCE.replace("yield x + 1", "yield x + 2").replace("return x * 10", "return x * 11")
+    assert swap_module(module, mutated) == []
+    with module.opened(1) as v:
+        assert v == 3
+    assert module.cached(2) == 22
+
+
+def test_a_change_no_swap_reaches_is_named_not_silently_dropped(module):
+    """A callable object holding the mutated lambda: nothing moves, so the child would run pristine code
+    and call that a survivor; the mutant is named unswappable (the harness runs it the usual way)."""
+    assert swap_module(module, SOURCE.replace("lambda x: x - 1", "lambda x: x + 1")) == ["<no code moved>"]
+    assert module.boxed(1) == 0
 
 
 def test_changes_outside_any_function_are_named_not_half_applied(module):
