@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +156,14 @@ def test_explained_survivors_are_read_apart_from_equivalent_ones(tmp_path):
     path.write_text('[[explained]]\nids = ["x"]\n')
     with pytest.raises(gen.GenerateError, match="explained 1: needs ids and a reason"):
         gen.load_reasons(path)
+
+
+def test_the_repositorys_reason_files_load():
+    """Every tests/mutants/equivalent*.toml the sessions read: valid TOML, each entry with ids and a reason,
+    each regular expression compiles (a broken file would stop a mutation session at its start)."""
+    root = Path(__file__).resolve().parents[2] / "tests" / "mutants"
+    files = sorted(root.glob("equivalent*.toml"))
+    assert {f.name for f in files} >= {"equivalent.toml", "equivalent-nixl.toml", "equivalent-offload.toml"}
+    for path in files:
+        reasons = gen.load_reasons(path)
+        assert reasons.equivalent or reasons.explained, path.name
