@@ -367,6 +367,7 @@ def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, tr
     def _make(
         *,
         num_blocks: int = NUM_GPU_BLOCKS,
+        block_size: int = BLOCK,
         sliding_window: int | None = None,
         disable_hybrid_kv_cache_manager: bool | None = None,
         kv_transfer_config: Any = None,
@@ -380,7 +381,7 @@ def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, tr
         pair = kv_transfer_config is None  # the deployed pair (not a test's own children)
         if kv_transfer_config is None:
             kv_transfer_config = va.multi_kv_transfer_config(
-                BLOCK,
+                block_size,
                 num_blocks,
                 engine_id,
                 order=order,
@@ -390,13 +391,13 @@ def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, tr
             )
         cfg = va.make_vllm_config(
             tiny_model_dir,
-            block_size=BLOCK,
+            block_size=block_size,
             num_gpu_blocks=num_blocks,
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             kv_transfer_config=kv_transfer_config,
             tensor_parallel_size=tensor_parallel_size,
         )
-        kvc = va.make_kv_cache_config(num_blocks, block_size=BLOCK, sliding_window=sliding_window)
+        kvc = va.make_kv_cache_config(num_blocks, block_size=block_size, sliding_window=sliding_window)
         ranks: list[va.WorkerRank] = []
         with setup_owned_by(WORKER_UP):
             for r in range(tensor_parallel_size):
@@ -427,15 +428,15 @@ def engine(make_engine) -> Engine:
 @pytest.fixture
 def make_pd(make_engine):
     """Build a prefill engine P and a decode engine D on this host, each MultiConnector(Nixl + CPU
-    offload) with its own engine id (keyword arguments go to both); P serves the Nixl handshake as
+    offload) with its own engine id (keyword arguments go to both, ``decode`` to D only); P serves the Nixl handshake as
     EngineCore sets it up (the workers' handshake metadata, through MultiConnector, to the scheduler's
     MultiConnector, which starts Nixl's listener)."""
 
-    def _make(**kwargs: Any) -> tuple[Engine, Engine]:
+    def _make(decode: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Engine, Engine]:
         p = make_engine(engine_id=P_ENGINE, **kwargs)
         with setup_owned_by(HANDSHAKE):
             va.serve_nixl_handshake(p.multi, p.worker)
-        return p, make_engine(engine_id=D_ENGINE, **kwargs)
+        return p, make_engine(engine_id=D_ENGINE, **{**kwargs, **(decode or {})})
 
     return _make
 

@@ -111,6 +111,63 @@ def test_decode_waits_for_the_remote_kv_and_asks_for_exactly_the_prefilled_token
     assert_no_leak(p, d)
 
 
+@pytest.mark.parametrize(
+    "prompt_len",
+    [4 * BLOCK + BLOCK // 2, 4 * BLOCK, BLOCK + BLOCK // 2],
+    ids=["d-last-block-half-read", "d-blocks-filled", "one-d-block"],
+)
+def test_a_decode_with_blocks_twice_the_prefills_reads_the_prompt_token_for_token(make_pd, prompt_len):
+    """P/D with different block sizes, the direction vLLM supports (D's block a multiple of P's): P at 32
+    tokens a block, D at 64.  D accepts P's handshake and reads the prompt over NIXL; then every prompt
+    token's K and V in D's blocks are exactly P's (two of P's blocks laid out as one of D's), what the
+    read did not cover of D's last block is zeroed (never stale bytes), D computes at most the one token
+    it needs for logits, P frees its blocks after the read, and neither engine leaks."""
+    big = 2 * BLOCK
+    p, d = make_pd(decode={"block_size": big})
+    prompt = token_ids(prompt_len, start=900)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("hetero-0", prompt)
+    p_blocks = va.group_block_ids(params["remote_block_ids"])
+    want = {  # P's K and V of every prompt token, before anything else can touch P's blocks
+        layer: [va.token_rows(cache, p_blocks[t // BLOCK], BLOCK)[t % BLOCK].clone() for t in range(prompt_len)]
+        for layer, cache in p.ranks[0].kv_caches.items()
+    }
+    req = va.make_request("hetero-0", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    d.step()
+    status, RequestStatus = _status(req)
+    assert status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"D did not wait for P's KV (block 32 -> 64): {status}"
+    d_blocks = va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids("hetero-0"))
+
+    # Checked in the step D's worker reports the read done, before D's next step computes the last token
+    # (whose block the suite's forward pass fills whole, as no real attention layer would).
+    def received() -> bool:
+        return any("hetero-0" in (o.finished_recving or ()) for o in d.kv_outputs if o)
+
+    assert _step_both(p, d, received), "D's read never finished"
+    read_end = -(-prompt_len // BLOCK) * BLOCK  # the read moves whole P blocks
+    last = (prompt_len - 1) // big
+    for layer, cache in d.ranks[0].kv_caches.items():
+        for t in range(prompt_len):
+            got = va.token_rows(cache, d_blocks[t // big], big)[t % big]
+            assert va.same_bytes(got, want[layer][t]), (
+                f"{layer}: token {t} in D's block {d_blocks[t // big]} (64 tokens) is not P's token {t} "
+                f"(P's block {p_blocks[t // BLOCK]}, 32 tokens)"
+            )
+        rows = va.token_rows(cache, d_blocks[last], big)
+        stale = [t for t in range(read_end, (last + 1) * big) if rows[t % big].abs().sum().item() != 0]
+        assert not stale, f"{layer}: D's block {d_blocks[last]} keeps stale bytes where the read wrote nothing: {stale}"
+    scheduled = 0
+    for _ in range(3):
+        scheduled += d.step().num_scheduled_tokens.get("hetero-0", 0)
+        if scheduled:
+            break
+    assert scheduled <= 1, f"D computed {scheduled} prompt tokens itself after loading all {prompt_len} over NIXL"
+    d.run(["hetero-0"])
+    assert _step_both(p, d, lambda: "hetero-0" not in p.scheduler.requests), "P kept the blocks after D's read"
+    assert_no_leak(p, d)
+
+
 def test_decode_with_a_local_prefix_hit_reads_only_the_uncached_suffix(pd, nixl_agent, monkeypatch):
     """When D already holds the first blocks of the prompt in its own prefix cache, its Nixl child asks
     only for the rest (prompt length minus the local hit) and reads P's blocks for the suffix into D's

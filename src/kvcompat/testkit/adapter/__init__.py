@@ -75,6 +75,7 @@ from kvcompat.testkit.adapter.kv_cache import (
     make_kv_cache_config,
     make_kv_caches,
     resolve_kv_cache_layout,
+    token_rows,
 )
 from kvcompat.testkit.adapter.nixl import (
     nixl_supported_device_table,
@@ -170,5 +171,6 @@ __all__ = [
     "resolve_kv_cache_layout",
     "serve_nixl_handshake",
     "supports_hma",
+    "token_rows",
     "write_tiny_model",
 ]

@@ -54,8 +54,10 @@ class Forward:
     """The KV writes of one scheduled step: for each scheduled request, the blocks it computes."""
 
     def __init__(self, scheduler: Any, scheduler_output: Any, kv_cache_config: Any) -> None:
-        self.writes: list[tuple[str, int, list[int]]] = []  # (layer, block id, tokens up to the block's end)
+        # (layer, block id, tokens up to the block's end, the layer's block size: engines of a P/D pair may differ)
+        self.writes: list[tuple[str, int, list[int], int]] = []
         group_of = {name: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for name in grp.layer_names}
+        groups = kv_cache_config.kv_cache_groups
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = scheduler.requests.get(req_id)
             if request is None or not n:
@@ -66,12 +68,13 @@ class Forward:
             block_ids = scheduler.kv_cache_manager.get_block_ids(req_id)
             for layer in LAYER_NAMES:
                 ids = group_block_ids(block_ids, group_of[layer])
-                for j in range(start // BLOCK_SIZE, -(-end // BLOCK_SIZE)):
+                bs = groups[group_of[layer]].kv_cache_spec.block_size
+                for j in range(start // bs, -(-end // bs)):
                     if j < len(ids) and ids[j] != NULL_BLOCK:
-                        self.writes.append((layer, ids[j], tokens[: min(end, (j + 1) * BLOCK_SIZE)]))
+                        self.writes.append((layer, ids[j], tokens[: min(end, (j + 1) * bs)], bs))
 
     def write_kv(self, layer: str, cache: Any) -> None:
         """What layer ``layer``'s attention writes into its KV cache ``cache`` in this step."""
-        for name, block_id, tokens in self.writes:
+        for name, block_id, tokens, bs in self.writes:
             if name == layer:
-                fill_block(kv_cache_block(cache, block_id, BLOCK_SIZE), layer, tokens)
+                fill_block(kv_cache_block(cache, block_id, bs), layer, tokens)

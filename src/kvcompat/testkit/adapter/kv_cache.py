@@ -159,6 +159,19 @@ def kv_cache_block(cache: Any, block_id: int, block_size: int = BLOCK_SIZE) -> A
     return cache.select(axes[0], block_id)
 
 
+def token_rows(cache: Any, block_id: int, block_size: int) -> list[Any]:
+    """Block ``block_id`` of a per-layer view made by :func:`make_kv_caches`, one view per token slot (K and V
+    of that token, every head): what a transfer between engines of different block sizes must carry over
+    token by token."""
+    a = _cpu_kv_cache_shape(1, block_size)
+    b = _cpu_kv_cache_shape(1, 2 * block_size)
+    (axis,) = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    block_axis = [i for i, (x, y) in enumerate(zip(a, _cpu_kv_cache_shape(2, block_size), strict=True)) if x != y][0]
+    view = kv_cache_block(cache, block_id, block_size)
+    axis -= axis > block_axis  # the block axis is gone from the view
+    return [view.select(axis, t) for t in range(block_size)]
+
+
 def group_block_ids(block_ids: Any, group: int = 0) -> list[int]:
     """Block ids of KV-cache group ``group`` from a flat list (<= 0.17) or a
     per-group sequence (0.18.1+)."""
