@@ -351,7 +351,11 @@ def test_a_decode_served_from_its_own_cpu_tier_still_releases_the_prefill_blocks
 def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_agent, monkeypatch):
     """A NIXL read that breaks (the transport reports an error state, no bytes moved) does not hang D:
     its request finishes (recomputed, or ended as the release's load-failure policy says), D leaks
-    nothing, and P frees its blocks, on D's word or when its lease ends."""
+    nothing, and P frees its blocks, on D's word or when its lease ends.  What D reports says so: the
+    request's blocks among the step's invalid blocks (where the release reports any), one failed transfer
+    in Nixl's stats (where they count them), no transfer handle left open; and P, which is healthy, stays
+    connected: the next request reads from it without a second handshake."""
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import RequestStatus
 
     lease_s = 2
@@ -363,6 +367,8 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
     nixl_agent.failing_transfers = 1
     req = va.make_request("failed-read", prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
+    d.step()
+    d_blocks = set(va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids("failed-read")))
     assert _step_both(p, d, lambda: nixl_agent.failed == 1), "the fake transport failed no read: no scenario"
     for _ in range(3):
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -376,7 +382,54 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
     assert _step_both(p, d, lambda: "failed-read" not in p.scheduler.requests), (
         f"P still holds the blocks of a read that failed, past its {lease_s}s lease"
     )
+    if "invalid_block_ids" in va.capabilities._field_names(KVConnectorOutput):
+        invalid = set().union(*(o.invalid_block_ids or set() for o in d.kv_outputs if o))
+        assert invalid and invalid <= d_blocks, (
+            f"D reported {sorted(invalid)} as blocks whose load failed; want some of the request's {sorted(d_blocks)}"
+        )
+    if _nixl_stats_count_failed_transfers():
+        counted = _nixl_failed_transfers(d.kv_outputs)
+        assert counted == 1, f"D's Nixl stats count {counted} failed transfers for the one read that failed"
+    open_handles = sum(len(agent._xfers) for agent in nixl_agent.instances)
+    assert open_handles == 0, f"{open_handles} NIXL transfer handles still open after the failed read was handled"
+    handshakes = len([c for agent in nixl_agent.instances for c in agent.calls_named("add_remote_agent")])
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("after-failed-read", token_ids(2 * BLOCK + 3, start=760))
+    d.scheduler.add_request(
+        va.make_request(
+            "after-failed-read", token_ids(2 * BLOCK + 3, start=760), max_tokens=2, kv_transfer_params=params
+        )
+    )
+    reads = _reads(nixl_agent)
+    d.run(["after-failed-read"])
+    assert _reads(nixl_agent) > reads, "D did not read the next request over NIXL from the P whose read had failed"
+    again = len([c for agent in nixl_agent.instances for c in agent.calls_named("add_remote_agent")])
+    assert again == handshakes, "D handshook again with a healthy P after one failed read (it dropped the connection)"
+    assert _step_both(p, d, lambda: "after-failed-read" not in p.scheduler.requests), "P kept the next request's blocks"
     assert_no_leak(p, d)
+
+
+def _nixl_stats_count_failed_transfers() -> bool:
+    """Probe: whether the release's NixlKVConnectorStats has a failed-transfer count (0.34: nixl/stats.py)."""
+    for name in ("nixl.stats", "nixl_connector", "nixl.connector"):
+        try:
+            module = importlib.import_module(f"vllm.distributed.kv_transfer.kv_connector.v1.{name}")
+        except ImportError:
+            continue
+        stats = getattr(module, "NixlKVConnectorStats", None)
+        if stats is not None:
+            return "num_failed_transfers" in (stats().data or {})
+    return False
+
+
+def _nixl_failed_transfers(kv_outputs: list) -> int:
+    """Failed transfers Nixl's stats counted over ``kv_outputs`` (the steps' stats, MultiConnector's per child)."""
+    counted = 0
+    for o in kv_outputs:
+        stats = getattr(o, "kv_connector_stats", None) if o else None
+        for child in (getattr(stats, "data", None) or {}).values():
+            counted += len((getattr(child, "data", None) or {}).get("num_failed_transfers", []))
+    return counted
 
 
 # ---------------------------------------------------------------------------
