@@ -143,28 +143,48 @@ def _takes_num_cpu_blocks() -> None:
         not_applicable("this release's SimpleCPUOffloadConnector takes no num_cpu_blocks")
 
 
-def test_cpu_tier_has_the_blocks_the_user_asked_for(make_engine):
-    """``num_cpu_blocks`` in the CPU-offload child's config, below what its byte budget allows, gives a CPU
-    tier of exactly that many blocks on the scheduler side and on the worker, and the tier works: a
-    prompt stored there is served from it."""
+@pytest.mark.parametrize(
+    ("asked", "prompt_blocks"), [(1, 0), (24, 3), (NUM_GPU_BLOCKS, 3)], ids=["one", "some", "the-whole-budget"]
+)
+def test_cpu_tier_has_the_blocks_the_user_asked_for(make_engine, asked, prompt_blocks):
+    """``num_cpu_blocks`` in the CPU-offload child's config, anywhere from 1 to what its byte budget allows
+    (the suite's budget is ``NUM_GPU_BLOCKS`` blocks a rank), gives a CPU tier of exactly that many blocks
+    on the scheduler side and on the worker, and the tier works: a prompt stored there is served from it.
+    (A tier of 1 is only sized: its BlockPool keeps block 0 as the null block, v1/core/block_pool.py 0.34.0
+    L164, so it can hold nothing; a tier of N holds N - 1.)"""
     _takes_num_cpu_blocks()
-    asked = 24
     engine = make_engine(offload_extra_config={"num_cpu_blocks": asked})
     pool = engine.offload.scheduler_manager.cpu_block_pool
     assert len(pool.blocks) == asked, f"the scheduler's CPU tier has {len(pool.blocks)} blocks, {asked} asked for"
     worker = engine.ranks[0].connector._connectors[engine.offload_index].worker_handler
     assert worker.num_cpu_blocks == asked, f"the worker's CPU tier has {worker.num_cpu_blocks} blocks, {asked} asked"
-    prompt = token_ids(3 * BLOCK + 5, start=520)
-    stored_prefix(engine, prompt, "sized-src")  # owned by the store contract (STORED) inside
-    assert cpu_tier_hit(engine, prompt, "sized") >= 3 * BLOCK, "the sized CPU tier did not serve a stored prompt"
+    if prompt_blocks:
+        prompt = token_ids(prompt_blocks * BLOCK + 5, start=520)
+        stored_prefix(engine, prompt, "sized-src")  # owned by the store contract (STORED) inside
+        assert cpu_tier_hit(engine, prompt, "sized") >= prompt_blocks * BLOCK, (
+            "the sized CPU tier served no stored prompt"
+        )
     assert_no_leak(engine)
 
 
 def test_a_cpu_tier_of_no_blocks_is_refused_at_start(tiny_model_dir, single_rank_distributed, nixl_agent):
     """``num_cpu_blocks`` of 0 (or not a whole number) is refused when the engine is built, on the
     scheduler side and on the worker, with an error that names the setting: never a tier that
-    silently holds nothing."""
+    silently holds nothing.  One block more than the byte budget holds is refused too, by the scheduler
+    and by the worker when it sizes its tier (never a tier larger than the memory it may take)."""
     _takes_num_cpu_blocks()
+    over = NUM_GPU_BLOCKS + 1  # offload_child_extra_config's budget is NUM_GPU_BLOCKS blocks a rank
+    kvt = va.multi_kv_transfer_config(BLOCK, NUM_GPU_BLOCKS, offload_extra_config={"num_cpu_blocks": over})
+    cfg = va.make_vllm_config(tiny_model_dir, block_size=BLOCK, num_gpu_blocks=NUM_GPU_BLOCKS, kv_transfer_config=kvt)
+    kvc = va.make_kv_cache_config(NUM_GPU_BLOCKS, block_size=BLOCK)
+    with pytest.raises(ValueError, match="num_cpu_blocks"):
+        va.make_scheduler(cfg, kvc)
+    rank = va.build_rank(cfg, kvc, 0)
+    try:
+        with pytest.raises(ValueError, match="num_cpu_blocks"):
+            rank.register()
+    finally:
+        rank.shutdown()
     for bad in (0, "8"):
         kvt = va.multi_kv_transfer_config(BLOCK, NUM_GPU_BLOCKS, offload_extra_config={"num_cpu_blocks": bad})
         cfg = va.make_vllm_config(
