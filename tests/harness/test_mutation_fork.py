@@ -283,3 +283,28 @@ def test_a_forked_crash_is_scored_again_the_usual_way_and_a_failed_test_before_i
     forked.answers["m"] = {"id": "m", "seconds": 1.0, "tests": [failed], "crash": "wait status 11", "why": ""}
     v = forked.verdict(0)
     assert (v.status, v.killed_by) == (KILLED, "t1")
+
+
+def test_a_childs_deadline_grows_with_the_oversubscription_and_cpu_time_ends_a_spinner(tmp_path):
+    """A child's wall-clock deadline is its time limit times the children per core (a survivor running
+    the whole suite beside 15 others on 2 cores is no timeout), while a child that burns its limit in
+    CPU time is out of time at once (a spinning mutant does not hold its slot for the scaled deadline)."""
+    from kvcompat.mutation import forkrun
+
+    (tmp_path / "lib.py").write_text("def inc(x):\n    return x + 1\n")
+    (tmp_path / "test_lib.py").write_text("import lib\n\ndef test_inc():\n    assert lib.inc(1) == 2\n")
+    plan = [
+        {
+            "id": "spins",
+            "module": "lib",
+            "source": "def inc(x):\n    while True:\n        pass\n",
+            "tests": None,
+            "timeout": 2,
+        }
+    ]
+    answers, output = _run_plan(tmp_path, plan, jobs=8 * (os.cpu_count() or 1))
+    spins = answers["spins"]
+    assert spins.get("timeout") is True, output
+    assert spins["limit"] == 16.0, "the wall-clock deadline is 8 children a core times the 2 s limit"
+    assert spins["seconds"] < 10, f"a spinning child was let run {spins['seconds']} s past its 2 s of CPU"
+    assert forkrun._cpu_seconds(os.getpid()) > 0

@@ -189,11 +189,18 @@ def _child(items: list, module: types.ModuleType, source: str, wfd: int) -> None
 
 
 class _Child:
-    """One forked mutant in flight: its pipe, what it has said so far, and when it runs out of time."""
+    """One forked mutant in flight: its pipe, what it has said so far, and when it runs out of time.
 
-    def __init__(self, mutant: dict, items: list, module: types.ModuleType) -> None:
+    ``timeout`` (the plan's) is what the mutant's tests may take alone.  With more children than cores
+    each gets a share of a core, so the wall-clock deadline is ``timeout`` times that oversubscription
+    (``share``); a child that has burnt ``timeout`` seconds of CPU is out of time whatever the wall clock
+    says (a spinning mutant).  Without the share, a survivor that runs the whole suite beside 15 others
+    on 2 cores is killed by the clock and scored as killed: a false kill."""
+
+    def __init__(self, mutant: dict, items: list, module: types.ModuleType, share: float = 1.0) -> None:
         self.mutant, self.t0 = mutant, time.monotonic()
-        self.deadline = self.t0 + float(mutant["timeout"])
+        self.limit = float(mutant["timeout"])
+        self.deadline = self.t0 + self.limit * max(1.0, share)
         self.data = b""
         # What the parent holds is never garbage: out of the children's collections, whose walks would
         # otherwise touch (and so copy) every page the parent shares with them.
@@ -206,6 +213,9 @@ class _Child:
         os.close(wfd)
         self.pid, self.rfd = pid, rfd
 
+    def out_of_time(self, now: float) -> bool:
+        return now >= self.deadline or _cpu_seconds(self.pid) > self.limit
+
     def read(self) -> bool:
         """Take what the child wrote; True once it closed its end (it has answered or died)."""
         chunk = os.read(self.rfd, 1 << 16)
@@ -214,6 +224,7 @@ class _Child:
 
     def answer(self, timed_out: bool) -> dict:
         """Reap the child (killed first when ``timed_out``) and return its answer."""
+        cpu = _cpu_seconds(self.pid)
         if timed_out:
             os.kill(self.pid, signal.SIGKILL)
         _, status = os.waitpid(self.pid, 0)
@@ -225,7 +236,17 @@ class _Child:
         else:
             answer = json.loads(self.data)
         seconds = round(time.monotonic() - self.t0, 2)
-        return {**answer, "id": self.mutant["id"], "seconds": seconds, "limit": float(self.mutant["timeout"])}
+        limit = round(self.deadline - self.t0, 1)
+        return {**answer, "id": self.mutant["id"], "seconds": seconds, "limit": limit, "cpu_s": round(cpu, 1)}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time a child has used, its threads included (Linux /proc; 0 where it cannot be read)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _import_too(names: list[str]) -> None:
@@ -253,6 +274,7 @@ def pytest_runtestloop(session: pytest.Session):
     out = Path(session.config.getoption("--kvcompat-fork-out"))
     by_id = {item.nodeid: item for item in session.items}
     jobs = max(1, int(session.config.getoption("--kvcompat-fork-jobs")))
+    share = jobs / (os.cpu_count() or 1)  # how far the children oversubscribe the cores
     killers: list[str] = []
     waiting, running = list(plan), {}
     while waiting or running:
@@ -261,13 +283,13 @@ def pytest_runtestloop(session: pytest.Session):
             module = importlib.import_module(mutant["module"])
             wanted = mutant["tests"] if mutant["tests"] is not None else list(by_id)
             ordered = [n for n in killers if n in wanted] + [n for n in wanted if n not in killers]
-            child = _Child(mutant, [by_id[n] for n in ordered if n in by_id], module)
+            child = _Child(mutant, [by_id[n] for n in ordered if n in by_id], module, share)
             running[child.rfd] = child
         soonest = min(c.deadline for c in running.values())
         ready, _, _ = select.select(list(running), [], [], max(0.0, min(soonest - time.monotonic(), 1.0)))
         answered = {fd for fd in ready if running[fd].read()}
         now = time.monotonic()
-        done = [(c, fd not in answered) for fd, c in running.items() if fd in answered or c.deadline <= now]
+        done = [(c, fd not in answered) for fd, c in running.items() if fd in answered or c.out_of_time(now)]
         for child, timed_out in done:
             del running[child.rfd]
             answer = child.answer(timed_out)

@@ -661,7 +661,10 @@ class _Forked:
                 status=KILLED,
                 killed_by="timeout",
                 how="timeout",
-                detail=f"the forked child ran past its {answer.get('limit', self.timeout):.0f}s",
+                detail=(
+                    f"the forked child ran past its {answer.get('limit', self.timeout):.0f}s "
+                    f"({answer.get('cpu_s', 0):.0f}s of CPU)"
+                ),
             )
         green = set(self.passed)
         killed = [t for t in tests if t["nodeid"] in green and t["outcome"] not in STILL_GREEN]
