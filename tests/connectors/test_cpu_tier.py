@@ -72,6 +72,21 @@ def test_cpu_tier_load_is_asynchronous_and_unpins_when_it_completes(engine, tran
 # ---------------------------------------------------------------------------
 # 2. stores: what a request filled, prompt and decode alike
 # ---------------------------------------------------------------------------
+def test_a_prefill_only_request_is_stored_in_the_cpu_tier_and_the_engine_goes_idle(engine):
+    """A request that ends with its prefill (``max_tokens=1``, as the prefill side of P/D runs every
+    request) has its prompt's full blocks stored in the CPU tier: the blocks computed in a request's last
+    step can only be stored when it finishes, and an engine that steps only while its scheduler says it
+    has work (EngineCore's loop) finishes that store and goes idle; the tier then serves the prompt and
+    nothing leaks."""
+    prompt = token_ids(3 * BLOCK + 5, start=1300)
+    engine.scheduler.add_request(va.make_request("prefill-only", prompt, max_tokens=1))
+    engine.run(["prefill-only"])
+    engine.run_until_idle()  # fails when the engine still says it has work after MAX_IDLE_STEPS steps
+    served = cpu_tier_hit(engine, prompt, "prefill-only-again")
+    assert served >= 3 * BLOCK, f"the CPU tier serves {served} tokens of a prefill-only prompt of {len(prompt)}"
+    assert_no_leak(engine)
+
+
 def test_blocks_filled_during_decode_are_stored_too(engine, transport):
     """A request whose generated tokens complete another block has that block stored in the CPU tier
     too: a follow-up request whose prompt is the first request's prompt and output (a chat's next
