@@ -387,8 +387,8 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
         assert invalid and invalid <= d_blocks, (
             f"D reported {sorted(invalid)} as blocks whose load failed; want some of the request's {sorted(d_blocks)}"
         )
-    if _nixl_stats_count_failed_transfers():
-        counted = _nixl_failed_transfers(d.kv_outputs)
+    if _nixl_stats_count("num_failed_transfers"):
+        counted = _nixl_counted(d.kv_outputs, "num_failed_transfers")
         assert counted == 1, f"D's Nixl stats count {counted} failed transfers for the one read that failed"
     open_handles = sum(len(agent._xfers) for agent in nixl_agent.instances)
     assert open_handles == 0, f"{open_handles} NIXL transfer handles still open after the failed read was handled"
@@ -409,8 +409,8 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
     assert_no_leak(p, d)
 
 
-def _nixl_stats_count_failed_transfers() -> bool:
-    """Probe: whether the release's NixlKVConnectorStats has a failed-transfer count (0.34: nixl/stats.py)."""
+def _nixl_stats_count(key: str) -> bool:
+    """Probe: whether the release's NixlKVConnectorStats counts ``key`` (0.34: nixl/stats.py)."""
     for name in ("nixl.stats", "nixl_connector", "nixl.connector"):
         try:
             module = importlib.import_module(f"vllm.distributed.kv_transfer.kv_connector.v1.{name}")
@@ -418,18 +418,57 @@ def _nixl_stats_count_failed_transfers() -> bool:
             continue
         stats = getattr(module, "NixlKVConnectorStats", None)
         if stats is not None:
-            return "num_failed_transfers" in (stats().data or {})
+            return key in (stats().data or {})
     return False
 
 
-def _nixl_failed_transfers(kv_outputs: list) -> int:
-    """Failed transfers Nixl's stats counted over ``kv_outputs`` (the steps' stats, MultiConnector's per child)."""
+def _nixl_counted(kv_outputs: list, key: str) -> int:
+    """What Nixl's stats counted under ``key`` over ``kv_outputs`` (the steps' stats, MultiConnector's per child)."""
     counted = 0
     for o in kv_outputs:
         stats = getattr(o, "kv_connector_stats", None) if o else None
         for child in (getattr(stats, "data", None) or {}).values():
-            counted += len((getattr(child, "data", None) or {}).get("num_failed_transfers", []))
+            counted += len((getattr(child, "data", None) or {}).get(key, []))
     return counted
+
+
+def test_a_failed_handshake_does_not_hang_the_decode_and_the_next_request_reads(make_pd, nixl_agent, monkeypatch):
+    """D is sent to P under an engine id P does not answer to (a proxy holding a stale id, a P restarted
+    under another): D's handshake fails.  D's request does not wait for its KV forever: it finishes
+    (recomputed, or ended as the release's load-failure policy says), Nixl's stats count a failed
+    handshake and no failed transfer (where they count them), and P frees the blocks nobody read when its
+    lease ends.  The next request, sent under P's right id, handshakes and is read; nothing leaks."""
+    from vllm.v1.request import RequestStatus
+
+    lease_s = 2
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))  # the lease's knob before 0.20
+    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    prompt = token_ids(3 * BLOCK + 5, start=1500)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("bad-handshake", prompt)
+    stale = {**params, "remote_engine_id": params["remote_engine_id"] + "-restarted"}
+    req = va.make_request("bad-handshake", prompt, max_tokens=2, kv_transfer_params=stale)
+    d.scheduler.add_request(req)
+    assert _step_both(p, d, lambda: req.is_finished()), f"D's request stayed {req.status} after its handshake failed"
+    assert req.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ERROR), req.status
+    if _nixl_stats_count("num_failed_handshakes"):  # counted per handshake tried (0.34.0 tries twice here)
+        counted = _nixl_counted(d.kv_outputs, "num_failed_handshakes")
+        assert counted >= 1, "D's Nixl stats count no failed handshake"
+    if _nixl_stats_count("num_failed_transfers"):
+        counted = _nixl_counted(d.kv_outputs, "num_failed_transfers")
+        assert counted == 0, f"D's Nixl stats count {counted} failed transfers where no transfer was made"
+    assert _step_both(p, d, lambda: "bad-handshake" not in p.scheduler.requests), (
+        f"P still holds the blocks nobody read, past its {lease_s}s lease"
+    )
+    prompt = token_ids(2 * BLOCK + 3, start=1600)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("after-bad-handshake", prompt)
+    d.scheduler.add_request(va.make_request("after-bad-handshake", prompt, max_tokens=2, kv_transfer_params=params))
+    reads = _reads(nixl_agent)
+    d.run(["after-bad-handshake"])
+    assert _reads(nixl_agent) > reads, "D did not read the next request from P over NIXL after one failed handshake"
+    assert _step_both(p, d, lambda: "after-bad-handshake" not in p.scheduler.requests), "P kept the next request"
+    assert_no_leak(p, d)
 
 
 # ---------------------------------------------------------------------------
