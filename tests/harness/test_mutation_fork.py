@@ -285,10 +285,10 @@ def test_a_forked_crash_is_scored_again_the_usual_way_and_a_failed_test_before_i
     assert (v.status, v.killed_by) == (KILLED, "t1")
 
 
-def test_a_childs_deadline_grows_with_the_oversubscription_and_cpu_time_ends_a_spinner(tmp_path):
-    """A child's wall-clock deadline is its time limit times the children per core (a survivor running
-    the whole suite beside 15 others on 2 cores is no timeout), while a child that burns its limit in
-    CPU time is out of time at once (a spinning mutant does not hold its slot for the scaled deadline)."""
+def test_a_childs_clock_runs_at_its_share_of_a_core_and_cpu_time_ends_a_spinner(tmp_path):
+    """A child's clock counts each wall second as its share of a core (a survivor running the whole suite
+    beside 15 others on 2 cores is no timeout), while a child that burns its limit in CPU time is out of
+    time at once (a spinning mutant does not hold its slot for the slowed clock)."""
     from kvcompat.mutation import forkrun
 
     (tmp_path / "lib.py").write_text("def inc(x):\n    return x + 1\n")
@@ -304,7 +304,12 @@ def test_a_childs_deadline_grows_with_the_oversubscription_and_cpu_time_ends_a_s
     ]
     answers, output = _run_plan(tmp_path, plan, jobs=8 * (os.cpu_count() or 1))
     spins = answers["spins"]
-    assert spins.get("timeout") is True, output
-    assert spins["limit"] == 16.0, "the wall-clock deadline is 8 children a core times the 2 s limit"
+    assert spins.get("timeout") is True and spins["limit"] == 2.0, output
     assert spins["seconds"] < 10, f"a spinning child was let run {spins['seconds']} s past its 2 s of CPU"
     assert forkrun._cpu_seconds(os.getpid()) > 0
+    child = forkrun._Child.__new__(forkrun._Child)
+    child.limit, child.used, child.pid = 10.0, 0.0, os.getpid()
+    child.tick(8.0, 2 / 16)
+    assert child.used == 1.0, "8 wall seconds as one of 16 children on 2 cores are 1 s of its limit"
+    child.tick(9.0, 2.0)
+    assert child.used == 10.0, "alone, a wall second is a second (never more)"

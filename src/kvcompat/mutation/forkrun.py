@@ -192,15 +192,17 @@ class _Child:
     """One forked mutant in flight: its pipe, what it has said so far, and when it runs out of time.
 
     ``timeout`` (the plan's) is what the mutant's tests may take alone.  With more children than cores
-    each gets a share of a core, so the wall-clock deadline is ``timeout`` times that oversubscription
-    (``share``); a child that has burnt ``timeout`` seconds of CPU is out of time whatever the wall clock
-    says (a spinning mutant).  Without the share, a survivor that runs the whole suite beside 15 others
-    on 2 cores is killed by the clock and scored as killed: a false kill."""
+    each gets a share of a core, so its clock runs at that share: every wall second counts as
+    ``cores / children in flight`` (at most 1) of its ``timeout``, and a child that has burnt ``timeout``
+    seconds of CPU is out of time whatever the clock says (a spinning mutant).  Without the share, a
+    survivor that runs the whole suite beside 15 others on 2 cores is killed by the clock and scored as
+    killed: a false kill; with a fixed multiple instead, a child that hangs asleep at a batch's tail holds
+    the batch for that multiple of its limit."""
 
-    def __init__(self, mutant: dict, items: list, module: types.ModuleType, share: float = 1.0) -> None:
+    def __init__(self, mutant: dict, items: list, module: types.ModuleType) -> None:
         self.mutant, self.t0 = mutant, time.monotonic()
         self.limit = float(mutant["timeout"])
-        self.deadline = self.t0 + self.limit * max(1.0, share)
+        self.used = 0.0  # its share of the wall clock so far (tick)
         self.data = b""
         # What the parent holds is never garbage: out of the children's collections, whose walks would
         # otherwise touch (and so copy) every page the parent shares with them.
@@ -213,8 +215,11 @@ class _Child:
         os.close(wfd)
         self.pid, self.rfd = pid, rfd
 
-    def out_of_time(self, now: float) -> bool:
-        return now >= self.deadline or _cpu_seconds(self.pid) > self.limit
+    def tick(self, seconds: float, share: float) -> None:
+        self.used += seconds * min(1.0, share)
+
+    def out_of_time(self) -> bool:
+        return self.used >= self.limit or _cpu_seconds(self.pid) > self.limit
 
     def read(self) -> bool:
         """Take what the child wrote; True once it closed its end (it has answered or died)."""
@@ -236,8 +241,7 @@ class _Child:
         else:
             answer = json.loads(self.data)
         seconds = round(time.monotonic() - self.t0, 2)
-        limit = round(self.deadline - self.t0, 1)
-        return {**answer, "id": self.mutant["id"], "seconds": seconds, "limit": limit, "cpu_s": round(cpu, 1)}
+        return {**answer, "id": self.mutant["id"], "seconds": seconds, "limit": self.limit, "cpu_s": round(cpu, 1)}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -274,7 +278,7 @@ def pytest_runtestloop(session: pytest.Session):
     out = Path(session.config.getoption("--kvcompat-fork-out"))
     by_id = {item.nodeid: item for item in session.items}
     jobs = max(1, int(session.config.getoption("--kvcompat-fork-jobs")))
-    share = jobs / (os.cpu_count() or 1)  # how far the children oversubscribe the cores
+    cores = os.cpu_count() or 1
     killers: list[str] = []
     waiting, running = list(plan), {}
     while waiting or running:
@@ -283,13 +287,14 @@ def pytest_runtestloop(session: pytest.Session):
             module = importlib.import_module(mutant["module"])
             wanted = mutant["tests"] if mutant["tests"] is not None else list(by_id)
             ordered = [n for n in killers if n in wanted] + [n for n in wanted if n not in killers]
-            child = _Child(mutant, [by_id[n] for n in ordered if n in by_id], module, share)
+            child = _Child(mutant, [by_id[n] for n in ordered if n in by_id], module)
             running[child.rfd] = child
-        soonest = min(c.deadline for c in running.values())
-        ready, _, _ = select.select(list(running), [], [], max(0.0, min(soonest - time.monotonic(), 1.0)))
+        before = time.monotonic()
+        ready, _, _ = select.select(list(running), [], [], 1.0)
         answered = {fd for fd in ready if running[fd].read()}
-        now = time.monotonic()
-        done = [(c, fd not in answered) for fd, c in running.items() if fd in answered or c.out_of_time(now)]
+        for c in running.values():
+            c.tick(time.monotonic() - before, cores / len(running))
+        done = [(c, fd not in answered) for fd, c in running.items() if fd in answered or c.out_of_time()]
         for child, timed_out in done:
             del running[child.rfd]
             answer = child.answer(timed_out)
