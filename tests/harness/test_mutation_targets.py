@@ -682,3 +682,31 @@ def test_survivors_are_explained_afresh_on_every_run_kept_verdicts_too(tmp_path)
     assert run.explained == 1 and run.to_json()["explained"] == 1
     run.scored = True
     assert "(1 explained)" in s.summary(run)
+
+
+def test_an_interrupted_run_resumes_and_a_finished_one_is_scored_afresh(tmp_path):
+    """A full run stopped part-way leaves its verdicts in the results file; the next run of the same group,
+    suite and arguments keeps them and scores only the rest.  A finished run, or one of another suite, is
+    scored afresh."""
+    import types as _types
+
+    from kvcompat.mutation import session as s
+
+    out = tmp_path / "mutants-c--nixl.json"
+    prev = s.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t", scored=True, group="nixl")
+    prev.suite = "fp1"
+    prev.mutants = [s.MutantVerdict(id="a", contract="C.f", description="d", status="killed")]
+    out.write_text(json.dumps(prev.to_json()))
+
+    def keep(suite: str):
+        run = s.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t2", group="nixl", suite=suite)
+        planned = [_types.SimpleNamespace(mutant=_types.SimpleNamespace(id=i)) for i in ("a", "b")]
+        g = _types.SimpleNamespace(run=run, out=out, planned=planned, explain=lambda v: v)
+        s._keep_previous(g, cell=None, mo=_types.SimpleNamespace(only=(), upstream_only=False))
+        return [v.id for v in g.kept], [p.mutant.id for p in g.planned]
+
+    assert keep("fp1") == (["a"], ["b"]), "resumed after the verdicts it had"
+    assert keep("fp2") == ([], ["a", "b"]), "another suite: scored afresh"
+    prev.finished = "t1"
+    out.write_text(json.dumps(prev.to_json()))
+    assert keep("fp1") == ([], ["a", "b"]), "a finished run is not resumed: a new run scores afresh"

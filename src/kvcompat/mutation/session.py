@@ -151,6 +151,7 @@ class MutationRun:
     replaced: list[str] = dataclasses.field(default_factory=list)  # files the testkit replaces: not mutated
     absent: str = ""  # why the group has no file in this release
     selection: str = ""  # how each mutant's tests were picked (coverage map measured / reused / off: why)
+    suite: str = ""  # fingerprint of our suite, the testkit and the arguments it ran with (an interrupted run resumes only under the same)
     # baseline_s (the session's baseline runs, shared by its groups), mutants_s (this group's loop), runs
     timing: dict = dataclasses.field(default_factory=dict)
 
@@ -201,6 +202,7 @@ class MutationRun:
             "planned": self.planned,
             "pytest_args": self.pytest_args,
             "selection": self.selection,
+            "suite": self.suite,
             "timing": self.timing,
             "counts": self.counts(),
             "not_reached": self.not_reached,
@@ -217,6 +219,19 @@ def _kept_verdicts(out: Path, run: MutationRun, only: tuple[str, ...]) -> list[M
     if not prev or not prev.get("scored") or prev.get("target") != run.target:
         return []
     if prev.get("pytest_args", []) != run.pytest_args:
+        return []
+    fields = {f.name for f in dataclasses.fields(MutantVerdict)}
+    return [MutantVerdict(**{k: v for k, v in m.items() if k in fields}) for m in prev.get("mutants", [])]
+
+
+def _interrupted_verdicts(out: Path, run: MutationRun) -> list[MutantVerdict]:
+    """The verdicts of a run of the same group that stopped before it finished, when it scored the same files
+    with the same suite and arguments: a rerun resumes after them.  Nothing when that run finished (a new
+    run scores afresh) or anything it depends on changed."""
+    prev = read_run(out)
+    if not prev or prev.get("finished") or not prev.get("scored") or not run.suite:
+        return []
+    if (prev.get("target"), prev.get("pytest_args", []), prev.get("suite")) != (run.target, run.pytest_args, run.suite):
         return []
     fields = {f.name for f in dataclasses.fields(MutantVerdict)}
     return [MutantVerdict(**{k: v for k, v in m.items() if k in fields}) for m in prev.get("mutants", [])]
@@ -450,15 +465,21 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> li
         for g in groups:
             _plan(g, mo.only)
         selecting = _selection_ready(ctx, mo)
+        suite = _ours_fingerprint(ctx, _suite_run(ctx))
         for g in groups:
+            g.run.suite = suite
             _keep_previous(g, cell, mo)
+            if g.kept and not mo.only and not mo.upstream_only:
+                ctx.say(
+                    f"{g.name}: resuming an interrupted run: {len(g.kept)} verdicts kept, {len(g.planned)} to score"
+                )
         t0 = time.monotonic()
         if not mo.upstream_only:
             baseline, scored = _baseline(ctx, mo, groups, selecting)
             for g in groups:
                 g.run.baseline, g.run.scored = baseline, scored
-        for g in groups:
-            write_atomic(g.out, json.dumps(g.run.to_json(), indent=1))
+        # A group's results file is first written with its first verdict (a session stopped before then leaves
+        # the previous run's verdicts as they were), or below, when no mutant can be scored.
         if not all(g.run.scored for g in groups):
             base = groups[0].run.baseline
             ctx.say(f"baseline is {base['outcome']}: {base['detail']}; mutants not scored")
@@ -483,6 +504,11 @@ def _keep_previous(g: _Group, cell: Cell, mo: MutationOptions) -> None:
     run = g.run
     run.planned = len(g.planned)
     g.kept = [g.explain(v) for v in _kept_verdicts(g.out, run, mo.only or (("*",) if mo.upstream_only else ()))]
+    if not mo.only and not mo.upstream_only:
+        g.kept = [g.explain(v) for v in _interrupted_verdicts(g.out, run)]
+        done = {v.id for v in g.kept}
+        g.planned = [p for p in g.planned if p.mutant.id not in done]
+        run.planned = len(g.planned)
     g.ours_before = {v.id: v for v in g.kept} if mo.upstream_only else {}
     if mo.upstream_only:
         prev = read_run(g.out) or {}
