@@ -267,10 +267,11 @@ def test_an_unchanged_enum_is_no_change_and_a_changed_one_is_named(tmp_path, mon
 
 def test_a_forked_crash_is_scored_again_the_usual_way_and_a_failed_test_before_it_kills():
     """A child that died without a failing test gets no verdict here (the usual way decides, in a fresh
-    pytest); a child whose test failed before it died is killed by that test."""
+    pytest); a child whose test failed before it died is killed by that test; tests the pytest did not
+    collect stop the session with what to do."""
     import types as _types
 
-    from kvcompat.mutation.session import KILLED, _Forked
+    from kvcompat.mutation.session import KILLED, MutationError, _Forked
 
     mutant = _types.SimpleNamespace(id="m", contract="C.f", description="d", equivalent=False, same_as=None)
     planned = [_types.SimpleNamespace(mutant=mutant, mutated="src", target="vllm/x.py", line=3)]
@@ -283,6 +284,9 @@ def test_a_forked_crash_is_scored_again_the_usual_way_and_a_failed_test_before_i
     forked.answers["m"] = {"id": "m", "seconds": 1.0, "tests": [failed], "crash": "wait status 11", "why": ""}
     v = forked.verdict(0)
     assert (v.status, v.killed_by) == (KILLED, "t1")
+    forked.answers["m"] = {"id": "m", "seconds": 0.0, "missing": ["t3"]}
+    with pytest.raises(MutationError, match="the suite changed during the session"):
+        forked.verdict(0)
 
 
 def test_a_childs_clock_runs_at_its_share_of_a_core_and_cpu_time_ends_a_spinner(tmp_path):
@@ -313,3 +317,21 @@ def test_a_childs_clock_runs_at_its_share_of_a_core_and_cpu_time_ends_a_spinner(
     assert child.used == 1.0, "8 wall seconds as one of 16 children on 2 cores are 1 s of its limit"
     child.tick(9.0, 2.0)
     assert child.used == 10.0, "alone, a wall second is a second (never more)"
+
+
+def test_a_test_the_plan_names_but_pytest_did_not_collect_gives_no_verdict(tmp_path):
+    """A mutant whose tests are not in this pytest's collection (the suite changed under the session) is
+    answered as missing, never run with no tests and called a survivor."""
+    (tmp_path / "lib.py").write_text("def inc(x):\n    return x + 1\n")
+    (tmp_path / "test_lib.py").write_text("import lib\n\ndef test_inc():\n    assert lib.inc(1) == 2\n")
+    plan = [
+        {
+            "id": "m",
+            "module": "lib",
+            "source": "def inc(x):\n    return x + 2\n",
+            "tests": ["test_lib.py::test_gone"],
+            "timeout": 60,
+        }
+    ]
+    answers, output = _run_plan(tmp_path, plan, jobs=1)
+    assert answers["m"].get("missing") == ["test_lib.py::test_gone"] and "tests" not in answers["m"], output

@@ -11,7 +11,8 @@ failure, and reports each test's outcome through a pipe.  The parent appends one
 to OUT: ``{"id", "tests": [{"nodeid", "outcome", "message"}], "seconds"}`` plus ``"timeout": true``
 (the child was killed after ``timeout`` seconds), ``"crash": "…"`` (it died without answering, twice: a
 child that dies is forked once more, ``"retried": true``) or
-``"unswappable": [names]`` (a change outside any function: the harness runs that mutant the slow way).
+``"unswappable": [names]`` (a change outside any function: the harness runs that mutant the slow way) or
+``"missing": [node ids]`` (tests the plan names that this pytest did not collect: no verdict).
 
 Nothing is written to the installed files: the pristine module stays on disk and in the parent.
 """
@@ -286,6 +287,11 @@ def pytest_runtestloop(session: pytest.Session):
             mutant = waiting.pop(0)
             module = importlib.import_module(mutant["module"])
             wanted = mutant["tests"] if mutant["tests"] is not None else list(by_id)
+            missing = [n for n in wanted if n not in by_id]
+            if missing:  # the suite changed since the baseline chose these tests: no child can give a verdict
+                with out.open("a") as f:
+                    f.write(json.dumps({"id": mutant["id"], "missing": missing[:20], "seconds": 0.0}) + "\n")
+                continue
             ordered = [n for n in killers if n in wanted] + [n for n in wanted if n not in killers]
             child = _Child(mutant, [by_id[n] for n in ordered if n in by_id], module)
             running[child.rfd] = child

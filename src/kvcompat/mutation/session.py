@@ -676,6 +676,11 @@ class _Forked:
             self._batch_from(i)
         p = self.g.planned[i]
         answer = self.answers.get(p.mutant.id)
+        if answer is not None and "missing" in answer:
+            raise MutationError(
+                f"the suite changed during the session: {len(answer['missing'])} tests the baseline ran are not "
+                f"collected now (e.g. {answer['missing'][0]}); rerun `nox -s mutants` (it resumes)"
+            )
         if answer is None or "unswappable" in answer:
             return None
         base = {**_base(p), "seconds": answer["seconds"]}
