@@ -581,7 +581,10 @@ class _Forked:
     imports the release once per batch and forks a child per mutant.  A mutant it cannot swap in (a change
     outside any function) gets no verdict here and is scored the usual way."""
 
-    BATCH = 40  # mutants a pytest: its import is paid once per batch, a killed pytest loses one batch
+    # Mutants a pytest: its import is paid once per batch, and a batch ends with its slowest child (a mutant
+    # that hangs asleep holds the machine idle until its time is up), so batches are large; a pytest killed
+    # from outside loses one batch, and the session resumes after the verdicts it wrote.
+    BATCH = 160
 
     MIN_TIMEOUT_S = 30.0  # a child's own start (the session's fixtures) and a loaded machine's slack
 
