@@ -322,6 +322,14 @@ OPTIONS: tuple[Option, ...] = (
         default=False,
     ),
     Option(
+        "--ours-only",
+        "score our suite only, leaving the upstream column out (its suite takes seconds more a mutant; score it "
+        "later with --upstream-only)",
+        ("mutants",),
+        switch=True,
+        default=False,
+    ),
+    Option(
         "--mutant-timeout",
         "limit on one mutant's pytest run, in seconds (default: 5 times the baseline run, at least 120)",
         ("mutants",),

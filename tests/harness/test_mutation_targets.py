@@ -710,3 +710,25 @@ def test_an_interrupted_run_resumes_and_a_finished_one_is_scored_afresh(tmp_path
     prev.finished = "t1"
     out.write_text(json.dumps(prev.to_json()))
     assert keep("fp1") == ([], ["a", "b"]), "a finished run is not resumed: a new run scores afresh"
+
+
+def test_ours_only_leaves_the_upstream_column_out(monkeypatch):
+    """--ours-only: the session scores the cell without its upstream column (added later with
+    --upstream-only); the two together are a one-line error."""
+    import dataclasses as _dc
+    import types as _types
+
+    from kvcompat.mutation import session as s
+
+    @_dc.dataclass(frozen=True)
+    class Cell:  # the one field run_targets reads
+        suites: tuple[str, ...]
+
+    seen = []
+    monkeypatch.setattr(s, "_run", lambda cell, mo, progress: seen.append(cell.suites) or [])
+    cell = Cell(("ours", "upstream"))
+    s.run_targets(cell, _types.SimpleNamespace(ours_only=True, upstream_only=False))
+    s.run_targets(cell, _types.SimpleNamespace(ours_only=False, upstream_only=False))
+    assert seen == [("ours",), ("ours", "upstream")]
+    with pytest.raises(s.MutationError, match="exclude each other"):
+        s.run_targets(cell, _types.SimpleNamespace(ours_only=True, upstream_only=True))

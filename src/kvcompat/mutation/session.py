@@ -95,6 +95,7 @@ class MutationOptions:
     # Score the upstream column only, keeping our suite's verdicts from the previous scored run (ours takes
     # ~11 s a mutant, upstream ~50 s: the two need not be paid together).
     upstream_only: bool = False
+    ours_only: bool = False  # the upstream column left out (scored later with upstream_only)
     # The groups of files to mutate (kvcompat.mutation.targets.GROUPS).
     targets: tuple[str, ...] = tg.DEFAULT_GROUPS
     # Coverage-based test selection (kvcompat.mutation.covmap); False: every mutant runs the whole suite.
@@ -275,6 +276,10 @@ def _interrupt(signum, frame):  # noqa: ARG001
 def run_targets(cell: Cell, mo: MutationOptions, progress: Callable[[str], None] = print) -> list[MutationRun]:
     """Mutate ``mo.targets``' files in ``cell``, one run per group; SIGTERM is handled like Ctrl-C (the file
     is restored either way)."""
+    if mo.ours_only and mo.upstream_only:
+        raise MutationError("--ours-only and --upstream-only exclude each other; pick one")
+    if mo.ours_only:
+        cell = dataclasses.replace(cell, suites=tuple(s for s in cell.suites if s != "upstream"))
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     try:
@@ -1179,6 +1184,7 @@ def options_for(root: Path, values, pytest_args: list[str] = ()) -> MutationOpti
         find_links=tuple(values.find_links),
         pytest_args=tuple(pytest_args),
         upstream_only=bool(values.upstream_only),
+        ours_only=bool(getattr(values, "ours_only", False)),
         fork=bool(getattr(values, "fork", False)),
         fork_jobs=int(getattr(values, "fork_jobs", None) or MutationOptions.fork_jobs),
         targets=tg.check_groups(tuple(getattr(values, "target", ()) or tg.DEFAULT_GROUPS)),
