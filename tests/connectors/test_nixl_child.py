@@ -64,6 +64,21 @@ def _answers(monkeypatch, obj, name: str) -> list:
     return seen
 
 
+def _handshakes(nixl_agent) -> int:
+    """Remote agents the fake NIXL agents were asked to add (D adds P's at each handshake)."""
+    return sum(len(a.calls_named("add_remote_agent")) for a in nixl_agent.instances)
+
+
+def _computed_after_the_read(d, rid: str) -> int:
+    """Prompt tokens D schedules itself once its read has completed (stepping until it schedules some)."""
+    scheduled = 0
+    for _ in range(3):
+        scheduled += d.step().num_scheduled_tokens.get(rid, 0)
+        if scheduled:
+            break
+    return scheduled
+
+
 def _reads(nixl_agent) -> int:
     """Transfers the fake NIXL agents were asked to make (in a P/D pair, only D reads)."""
     return sum(len(a.calls_named("make_prepped_xfer")) for a in nixl_agent.instances)
@@ -99,12 +114,7 @@ def test_decode_waits_for_the_remote_kv_and_asks_for_exactly_the_prefilled_token
     )
     nixl_agent.polls_until_done = 1
     assert _step_both(p, d, lambda: req.status != waiting), "D's read never completed"
-    scheduled = 0
-    for _ in range(3):
-        so = d.step()
-        scheduled += so.num_scheduled_tokens.get("async-0", 0)
-        if scheduled:
-            break
+    scheduled = _computed_after_the_read(d, "async-0")
     assert scheduled <= 1, f"D computed {scheduled} prompt tokens itself after loading all {len(prompt)} over NIXL"
     d.run(["async-0"])
     assert _step_both(p, d, lambda: "async-0" not in p.scheduler.requests), "P kept the blocks after D had read them"
@@ -128,10 +138,10 @@ def test_a_decode_with_blocks_twice_the_prefills_reads_the_prompt_token_for_toke
     with setup_owned_by(PREFILLED):
         params = p.prefill("hetero-0", prompt)
     p_blocks = va.group_block_ids(params["remote_block_ids"])
-    want = {  # P's K and V of every prompt token, before anything else can touch P's blocks
-        layer: [va.token_rows(cache, p_blocks[t // BLOCK], BLOCK)[t % BLOCK].clone() for t in range(prompt_len)]
-        for layer, cache in p.ranks[0].kv_caches.items()
-    }
+    want = {}  # P's K and V of every prompt token, before anything else can touch P's blocks
+    for layer, cache in p.ranks[0].kv_caches.items():
+        rows = [row.clone() for b in p_blocks for row in va.token_rows(cache, b, BLOCK)]
+        want[layer] = rows[:prompt_len]
     req = va.make_request("hetero-0", prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
     d.step()
@@ -148,20 +158,15 @@ def test_a_decode_with_blocks_twice_the_prefills_reads_the_prompt_token_for_toke
     read_end = -(-prompt_len // BLOCK) * BLOCK  # the read moves whole P blocks
     last = (prompt_len - 1) // big
     for layer, cache in d.ranks[0].kv_caches.items():
+        got_rows = [row for b in d_blocks for row in va.token_rows(cache, b, big)]
         for t in range(prompt_len):
-            got = va.token_rows(cache, d_blocks[t // big], big)[t % big]
-            assert va.same_bytes(got, want[layer][t]), (
+            assert va.same_bytes(got_rows[t], want[layer][t]), (
                 f"{layer}: token {t} in D's block {d_blocks[t // big]} (64 tokens) is not P's token {t} "
                 f"(P's block {p_blocks[t // BLOCK]}, 32 tokens)"
             )
-        rows = va.token_rows(cache, d_blocks[last], big)
-        stale = [t for t in range(read_end, (last + 1) * big) if rows[t % big].abs().sum().item() != 0]
+        stale = [t for t in range(read_end, (last + 1) * big) if got_rows[t].abs().sum().item() != 0]
         assert not stale, f"{layer}: D's block {d_blocks[last]} keeps stale bytes where the read wrote nothing: {stale}"
-    scheduled = 0
-    for _ in range(3):
-        scheduled += d.step().num_scheduled_tokens.get("hetero-0", 0)
-        if scheduled:
-            break
+    scheduled = _computed_after_the_read(d, "hetero-0")
     assert scheduled <= 1, f"D computed {scheduled} prompt tokens itself after loading all {prompt_len} over NIXL"
     d.run(["hetero-0"])
     assert _step_both(p, d, lambda: "hetero-0" not in p.scheduler.requests), "P kept the blocks after D's read"
@@ -392,7 +397,7 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
         assert counted == 1, f"D's Nixl stats count {counted} failed transfers for the one read that failed"
     open_handles = sum(len(agent._xfers) for agent in nixl_agent.instances)
     assert open_handles == 0, f"{open_handles} NIXL transfer handles still open after the failed read was handled"
-    handshakes = len([c for agent in nixl_agent.instances for c in agent.calls_named("add_remote_agent")])
+    handshakes = _handshakes(nixl_agent)
     with setup_owned_by(PREFILLED):
         params = p.prefill("after-failed-read", token_ids(2 * BLOCK + 3, start=760))
     d.scheduler.add_request(
@@ -403,8 +408,9 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
     reads = _reads(nixl_agent)
     d.run(["after-failed-read"])
     assert _reads(nixl_agent) > reads, "D did not read the next request over NIXL from the P whose read had failed"
-    again = len([c for agent in nixl_agent.instances for c in agent.calls_named("add_remote_agent")])
-    assert again == handshakes, "D handshook again with a healthy P after one failed read (it dropped the connection)"
+    assert _handshakes(nixl_agent) == handshakes, (
+        "D handshook again with a healthy P after one failed read (it dropped the connection)"
+    )
     assert _step_both(p, d, lambda: "after-failed-read" not in p.scheduler.requests), "P kept the next request's blocks"
     assert_no_leak(p, d)
 

@@ -289,14 +289,19 @@ def test_a_forked_crash_is_scored_again_the_usual_way_and_a_failed_test_before_i
         forked.verdict(0)
 
 
+def _one_test_project(tmp_path: Path) -> None:
+    """A module ``lib`` with ``inc`` and one test of it, ``test_lib.py::test_inc``."""
+    (tmp_path / "lib.py").write_text("def inc(x):\n    return x + 1\n")
+    (tmp_path / "test_lib.py").write_text("import lib\n\ndef test_inc():\n    assert lib.inc(1) == 2\n")
+
+
 def test_a_childs_clock_runs_at_its_share_of_a_core_and_cpu_time_ends_a_spinner(tmp_path):
     """A child's clock counts each wall second as its share of a core (a survivor running the whole suite
     beside 15 others on 2 cores is no timeout), while a child that burns its limit in CPU time is out of
     time at once (a spinning mutant does not hold its slot for the slowed clock)."""
     from kvcompat.mutation import forkrun
 
-    (tmp_path / "lib.py").write_text("def inc(x):\n    return x + 1\n")
-    (tmp_path / "test_lib.py").write_text("import lib\n\ndef test_inc():\n    assert lib.inc(1) == 2\n")
+    _one_test_project(tmp_path)
     plan = [
         {
             "id": "spins",
@@ -322,8 +327,7 @@ def test_a_childs_clock_runs_at_its_share_of_a_core_and_cpu_time_ends_a_spinner(
 def test_a_test_the_plan_names_but_pytest_did_not_collect_gives_no_verdict(tmp_path):
     """A mutant whose tests are not in this pytest's collection (the suite changed under the session) is
     answered as missing, never run with no tests and called a survivor."""
-    (tmp_path / "lib.py").write_text("def inc(x):\n    return x + 1\n")
-    (tmp_path / "test_lib.py").write_text("import lib\n\ndef test_inc():\n    assert lib.inc(1) == 2\n")
+    _one_test_project(tmp_path)
     plan = [
         {
             "id": "m",

@@ -70,6 +70,15 @@ def _move_code(old: object, new: object, where: str, problems: list[str], moved:
     moved.append(where)
 
 
+def _move_function(old: object, new: object, where: str, problems: list[str], moved: list[str]) -> None:
+    """Move the code of what ``new`` runs into what ``old`` runs; a cache the pristine code filled (lru_cache)
+    is cleared when code moved, so it cannot answer for the mutant."""
+    before = len(moved)
+    _move_code(_function_of(old), _function_of(new), where, problems, moved)
+    if len(moved) > before:
+        getattr(old, "cache_clear", lambda: None)()
+
+
 def _function_of(value: object) -> object:
     """The function whose code ``value`` runs: itself, or what a staticmethod, classmethod or a
     non-function wrapper (functools.lru_cache, …) holds."""
@@ -114,10 +123,7 @@ def swap_module(module: types.ModuleType, source: str) -> list[str]:
             continue
         old = module.__dict__[name]
         if _function_of(new) is not None and _function_of(old) is not None and not isinstance(new, type):
-            before = len(moved)
-            _move_code(_function_of(old), _function_of(new), name, problems, moved)
-            if len(moved) > before:  # a cache the pristine code filled must not answer for the mutant
-                getattr(old, "cache_clear", lambda: None)()
+            _move_function(old, new, name, problems, moved)
         elif isinstance(new, type) and isinstance(old, type) and new.__module__ == module.__name__:
             for attr, nv in vars(new).items():
                 ov = vars(old).get(attr)
@@ -127,10 +133,7 @@ def swap_module(module: types.ModuleType, source: str) -> list[str]:
                     for part in ("fget", "fset", "fdel"):
                         _move_code(getattr(ov, part), getattr(nv, part), f"{name}.{attr}", problems, moved)
                 elif ov is not None and _function_of(nv) is not None:
-                    before = len(moved)
-                    _move_code(_function_of(ov), _function_of(nv), f"{name}.{attr}", problems, moved)
-                    if len(moved) > before:
-                        getattr(ov, "cache_clear", lambda: None)()
+                    _move_function(ov, nv, f"{name}.{attr}", problems, moved)
                 elif ov is not None and not callable(nv) and not isinstance(nv, property) and not _equal(nv, ov):
                     problems.append(f"{name}.{attr}")
         elif not isinstance(new, types.ModuleType) and not callable(new) and not _equal(new, old):

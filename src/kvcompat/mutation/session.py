@@ -221,6 +221,10 @@ def _kept_verdicts(out: Path, run: MutationRun, only: tuple[str, ...]) -> list[M
         return []
     if prev.get("pytest_args", []) != run.pytest_args:
         return []
+    return _verdicts_of(prev)
+
+
+def _verdicts_of(prev: dict) -> list[MutantVerdict]:
     fields = {f.name for f in dataclasses.fields(MutantVerdict)}
     return [MutantVerdict(**{k: v for k, v in m.items() if k in fields}) for m in prev.get("mutants", [])]
 
@@ -234,8 +238,7 @@ def _interrupted_verdicts(out: Path, run: MutationRun) -> list[MutantVerdict]:
         return []
     if (prev.get("target"), prev.get("pytest_args", []), prev.get("suite")) != (run.target, run.pytest_args, run.suite):
         return []
-    fields = {f.name for f in dataclasses.fields(MutantVerdict)}
-    return [MutantVerdict(**{k: v for k, v in m.items() if k in fields}) for m in prev.get("mutants", [])]
+    return _verdicts_of(prev)
 
 
 def _merge(kept: list[MutantVerdict], new: list[MutantVerdict]) -> list[MutantVerdict]:
@@ -508,12 +511,15 @@ def _keep_previous(g: _Group, cell: Cell, mo: MutationOptions) -> None:
     ours' verdicts of every mutant."""
     run = g.run
     run.planned = len(g.planned)
-    g.kept = [g.explain(v) for v in _kept_verdicts(g.out, run, mo.only or (("*",) if mo.upstream_only else ()))]
-    if not mo.only and not mo.upstream_only:
-        g.kept = [g.explain(v) for v in _interrupted_verdicts(g.out, run)]
-        done = {v.id for v in g.kept}
+    resuming = not mo.only and not mo.upstream_only
+    if resuming:
+        previous = _interrupted_verdicts(g.out, run)
+        done = {v.id for v in previous}
         g.planned = [p for p in g.planned if p.mutant.id not in done]
         run.planned = len(g.planned)
+    else:
+        previous = _kept_verdicts(g.out, run, mo.only or ("*",))
+    g.kept = [g.explain(v) for v in previous]
     g.ours_before = {v.id: v for v in g.kept} if mo.upstream_only else {}
     if mo.upstream_only:
         prev = read_run(g.out) or {}
