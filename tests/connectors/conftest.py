@@ -33,6 +33,8 @@ import pytest
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable, probes, record_fact, setup_owned_by
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
+from kvcompat.testkit.shutdowns import DeferredShutdowns
+from kvcompat.testkit.shutdowns import report as report_shutdown_failures
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -295,11 +297,10 @@ class Engine:
     def kv_transfer_name(self) -> str:
         return self.vllm_config.kv_transfer_config.engine_id
 
-    def shutdown(self) -> None:
-        """What EngineCore's shutdown does: the workers' connectors, then the scheduler's."""
+    def shutdown_workers(self) -> None:
+        """The first half of EngineCore's shutdown: the workers' connectors (the scheduler's comes after)."""
         for r in self.ranks:
             r.shutdown()
-        self.scheduler.shutdown()
 
     def prefill(self, req_id: str, prompt: list[int]) -> dict[str, Any]:
         """vLLM's P/D proxy protocol, prefill side: the request with ``max_tokens=1`` and
@@ -358,8 +359,18 @@ def transport(release):
     transfers.release()
 
 
+@pytest.fixture(scope="session")
+def deferred_shutdowns(request):
+    """Engines' scheduler-side shutdowns, run beside the next tests (kvcompat.testkit.shutdowns); the
+    session waits for them all before its other fixtures end, and one that raised or hung is an error of
+    the test that built the engines, reported through pytest's own hook."""
+    shutdowns = DeferredShutdowns()
+    yield shutdowns
+    report_shutdown_failures(request.config, shutdowns.join())
+
+
 @pytest.fixture
-def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, transport):
+def make_engine(request, release, tiny_model_dir, nixl_agent, single_rank_distributed, transport, deferred_shutdowns):
     """Build engines as EngineCore does: workers first (their KV caches registered, the
     SimpleCPUOffload block count asked where the release asks it), then the scheduler."""
     engines: list[Engine] = []
@@ -377,6 +388,8 @@ def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, tr
         nixl_extra_config: dict[str, Any] | None = None,
         offload_extra_config: dict[str, Any] | None = None,
     ) -> Engine:
+        # Each engine's Nixl listener gets a port of its own: an earlier test's may still be shutting down
+        _own_side_channel_port()
         order = order or va.child_order()
         pair = kv_transfer_config is None  # the deployed pair (not a test's own children)
         if kv_transfer_config is None:
@@ -417,7 +430,14 @@ def make_engine(release, tiny_model_dir, nixl_agent, single_rank_distributed, tr
 
     yield _make
     for e in engines:
-        e.shutdown()
+        e.shutdown_workers()
+    schedulers = [e.scheduler for e in engines]
+
+    def shut_schedulers() -> None:
+        for s in schedulers:
+            s.shutdown()
+
+    deferred_shutdowns.start(request.node.nodeid, shut_schedulers)
 
 
 @pytest.fixture

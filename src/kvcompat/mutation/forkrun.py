@@ -170,6 +170,9 @@ def _outcome(reports: list) -> tuple[str, str]:
 def _child(items: list, module: types.ModuleType, source: str, wfd: int) -> None:
     from _pytest.runner import runtestprotocol
 
+    from kvcompat.testkit import shutdowns
+
+    shutdowns.INLINE = True  # this child exits without a session end: a shutdown must fail in its own test
     known = set(sys.modules)
     answer: dict = {"tests": []}
     try:
