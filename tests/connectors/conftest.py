@@ -286,7 +286,7 @@ class Engine:
 
     def idle_state(self) -> va.IdleState:
         """Free device blocks and pinned CPU-tier blocks now, read from the release's structures."""
-        return va.idle_state(self.scheduler, self.offload)
+        return va.idle_state(self.scheduler, self.offload, self.nixl)
 
     def leaks(self) -> list[str]:
         """What this engine still holds beyond its baseline, once it has settled (empty: no leak)."""
@@ -456,6 +456,7 @@ def make_pd(make_engine):
         p = make_engine(engine_id=P_ENGINE, **kwargs)
         with setup_owned_by(HANDSHAKE):
             va.serve_nixl_handshake(p.multi, p.worker)
+        p.baseline = p.idle_state()  # an idle P serves its handshake (EngineCore does it at startup)
         return p, make_engine(engine_id=D_ENGINE, **{**kwargs, **(decode or {})})
 
     return _make

@@ -20,6 +20,7 @@ import pytest
 from kvcompat.outcomes import CHILD_ORDERS
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable, setup_owned_by
+from kvcompat.testkit.adapter.idle import scheduler_object
 
 from conftest import (
     BLOCK,
@@ -550,4 +551,21 @@ def test_no_leak_check_sees_a_pinned_cpu_block(engine):
         assert leaks and "CPU-tier" in leaks[0], f"a pinned CPU block went unnoticed: {leaks}"
     finally:
         pool.free_blocks([block])
+    assert not engine.leaks()
+
+
+def test_no_leak_check_sees_a_request_left_in_the_cpu_offload_childs_bookkeeping(engine):
+    """The leak check itself: an entry the CPU-offload child's scheduler keeps per request, left behind
+    once the engine is idle, is reported with the container's name."""
+    manager = scheduler_object(engine.offload)
+    empty = sorted(n for n, v in vars(manager or object()).items() if isinstance(v, dict) and not v)
+    if not empty:
+        not_applicable("the CPU-offload child of this release keeps no per-request dict on its scheduler")
+    held = getattr(manager, empty[0])
+    held["kvcompat-ghost"] = None
+    try:
+        leaks = engine.leaks()
+        assert any(empty[0] in leak for leak in leaks), f"an entry left in {empty[0]} went unnoticed: {leaks}"
+    finally:
+        del held["kvcompat-ghost"]
     assert not engine.leaks()

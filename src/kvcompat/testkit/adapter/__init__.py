@@ -19,7 +19,7 @@ One module per concern; tests use the names re-exported here
 * offload_script    OffloadingConnector's transfers, scripted (up to 0.18)
 * children          a child's answers, observed or scripted (the lifecycle contracts)
 * nixl              Nixl transfer params, device table, handshake
-* idle              what an idle engine holds (free device blocks, pinned CPU-tier blocks): leak checks
+* idle              what an idle engine holds (free device blocks, pinned CPU-tier blocks, the children's bookkeeping): leak checks
 
 Importing this package does not import vLLM.  Call :func:`select_cpu_platform`
 before anything imports a vLLM module that reads ``current_platform``.

@@ -1,8 +1,11 @@
-"""What an idle engine holds: free device blocks and the CPU tier's pinned blocks, read from the release.
+"""What an idle engine holds: free device blocks, the CPU tier's pinned blocks and the CPU-offload child's
+per-request bookkeeping, read from the release.
 
-A leak is a block that stays held once every request is done: a device block no request owns, or a
+A leak is something that stays held once every request is done: a device block no request owns, a
 CPU-tier block still pinned (a load or store whose completion never came, a cache hit reserved for a
-request that went away).  :func:`idle_state` reads both counts from the release's own structures, so a
+request that went away), or an entry a child's scheduler side keeps per request or per transfer
+event (a long-running server's memory grows with every such request, and a request id used
+again meets the old entry).  :func:`idle_state` reads both counts from the release's own structures, so a
 test compares an engine after a scenario with the same engine before it (its baseline), never with a
 number it assumed.  Reading only: nothing here frees, resets or nudges anything.
 
@@ -19,10 +22,12 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class IdleState:
-    """The counts that must come back after a scenario: device blocks free, CPU-tier blocks pinned."""
+    """The counts that must come back after a scenario: device blocks free, CPU-tier blocks pinned, and the
+    size of each container the scheduler-role children hold (``("<child>: <attribute>", entries)`` pairs)."""
 
     free_device_blocks: int
     pinned_cpu_blocks: int
+    tracked: tuple[tuple[str, int], ...] = ()
 
     def leaks_against(self, baseline: IdleState) -> list[str]:
         """What this state holds beyond ``baseline``, in words (empty when nothing leaked)."""
@@ -37,6 +42,14 @@ class IdleState:
                 f"{self.pinned_cpu_blocks - baseline.pinned_cpu_blocks} CPU-tier blocks still pinned "
                 f"({self.pinned_cpu_blocks} pinned, {baseline.pinned_cpu_blocks} at idle)"
             )
+        at_idle = dict(baseline.tracked)
+        for name, entries in self.tracked:
+            if entries > at_idle.get(name, 0):
+                child, _, attribute = name.partition(": ")
+                out.append(
+                    f"{child} still holds {entries - at_idle.get(name, 0)} entries in {attribute} "
+                    f"({entries}, {at_idle.get(name, 0)} at idle)"
+                )
         return out
 
 
@@ -63,9 +76,42 @@ def pinned_cpu_blocks(offload_child: Any) -> int:
     )
 
 
-def idle_state(scheduler: Any, offload_child: Any) -> IdleState:
-    """The engine's counts now: the scheduler's free device blocks and the CPU tier's pinned blocks."""
+def scheduler_object(child: Any) -> Any:
+    """Where a scheduler-role child keeps its state: SimpleCPUOffload's manager, OffloadingConnector's and
+    NixlConnector's ``connector_scheduler``."""
+    return getattr(child, "scheduler_manager", None) or getattr(child, "connector_scheduler", None)
+
+
+def tracked_entries(children: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """The size of every dict, set and list each scheduler-role child's state object holds directly,
+    named ``"<child>: <attribute>"``.
+
+    Per-request and per-event state lives in such containers under names that change between releases
+    (``_reqs_to_load``, ``_store_event_to_reqs``, ``_pending_cpu_hits`` in 0.34.0's
+    ``v1/simple_kv_offload/manager.py``; ``_reqs_need_send``, ``_reqs_need_recv`` in ``nixl/base_scheduler.py``),
+    so every container is counted and compared with the same engine's baseline: configuration keeps its
+    size, bookkeeping must return to its own."""
+    out: list[tuple[str, int]] = []
+    for label, child in children.items():
+        state = scheduler_object(child)
+        if state is None:
+            continue
+        out += [
+            (f"{label}: {name}", len(value))
+            for name, value in sorted(vars(state).items())
+            if isinstance(value, (dict, set, list))
+        ]
+    return tuple(out)
+
+
+def idle_state(scheduler: Any, offload_child: Any, nixl_child: Any = None) -> IdleState:
+    """The engine's counts now: the scheduler's free device blocks, the CPU tier's pinned blocks and the
+    scheduler-role children's bookkeeping."""
+    children = {"the CPU-offload child's scheduler": offload_child}
+    if nixl_child is not None:
+        children["the Nixl child's scheduler"] = nixl_child
     return IdleState(
         free_device_blocks=scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
         pinned_cpu_blocks=pinned_cpu_blocks(offload_child),
+        tracked=tracked_entries(children),
     )
