@@ -149,6 +149,45 @@ def test_reset_cache_refuses_while_a_store_is_in_flight_then_clears_the_cpu_tier
     assert_no_leak(engine)
 
 
+def test_reset_cache_refuses_while_a_cpu_tier_load_is_in_flight_and_keeps_its_blocks_pinned(
+    engine, transport, monkeypatch
+):
+    """A reset asked while a copy out of the CPU tier is in flight cannot drop the blocks the copy reads:
+    the CPU-offload child answers False and keeps them pinned until the copy completes; the request then
+    runs with the loaded tokens, and on the settled engine a reset succeeds and nothing leaks.  (The
+    device cache cannot reset while the loading request holds blocks, so the child's own answer is
+    checked, not only the scheduler's.)"""
+    _can_reset_connectors(engine)
+    from vllm.v1.request import RequestStatus
+
+    prompt = token_ids(3 * BLOCK + 5, start=170)
+    stored_prefix(engine, prompt, "reset-load-src")
+    transport.hold()
+    launched = transport.launched()
+    req = va.make_request("reset-load", prompt, max_tokens=2)
+    engine.scheduler.add_request(req)
+    engine.step()
+    with setup_owned_by(STORED):
+        assert wait_until(lambda: transport.launched() > launched), "the CPU-offload child never started the load"
+    real = engine.offload.reset_cache
+    answers: list[bool] = []
+    ch.spy(monkeypatch, engine.offload, "reset_cache", lambda *a: answers.append(real(*a)) or answers[-1])
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True) is False, "the reset succeeded mid-load"
+    assert answers == [False], f"the CPU-offload child answered {answers} to a reset while its load was in flight"
+    for _ in range(3):
+        engine.step()
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"{req.status} while its CPU load is in flight"
+        assert engine.idle_state().pinned_cpu_blocks > engine.baseline.pinned_cpu_blocks, (
+            "the reset unpinned the CPU blocks a load in flight is still reading"
+        )
+    transport.release()
+    engine.run(["reset-load"])
+    assert req.num_computed_tokens >= 3 * BLOCK, "the loaded tokens were not counted as computed after the reset"
+    engine.settle()
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True) is True, "reset failed on a settled engine"
+    assert_no_leak(engine)
+
+
 # ---------------------------------------------------------------------------
 # 4. the tier the user configured
 # ---------------------------------------------------------------------------
