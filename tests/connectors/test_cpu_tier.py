@@ -188,6 +188,38 @@ def test_reset_cache_refuses_while_a_cpu_tier_load_is_in_flight_and_keeps_its_bl
     assert_no_leak(engine)
 
 
+def test_reset_cache_right_after_a_prefill_only_request_drops_its_queued_store(engine, monkeypatch):
+    """A reset asked the moment a prefill-only request finishes, before its finish-time store has gone to
+    the workers, drops that store: the CPU-offload child's reset succeeds (nothing of it is being copied;
+    the device cache may still refuse while the store's references hold its blocks), the CPU tier then
+    serves nothing of the prompt, the engine settles with nothing leaked, a second reset succeeds, and the
+    tier keeps working (the next prompt is stored and served)."""
+    _can_reset_connectors(engine)
+    stored_prefix(engine, token_ids(2 * BLOCK + 3, start=2300), "decodes-before-reset")
+    prompt = token_ids(3 * BLOCK + 5, start=2500)
+    engine.scheduler.add_request(va.make_request("queued-store", prompt, max_tokens=1))
+    engine.run(["queued-store"])
+    real = engine.offload.reset_cache
+    answers: list[bool] = []
+    ch.spy(monkeypatch, engine.offload, "reset_cache", lambda *a: answers.append(real(*a)) or answers[-1])
+    engine.scheduler.reset_prefix_cache(reset_connector=True)
+    assert answers == [True], (
+        f"the CPU-offload child answered {answers} although the finished request's store had not started"
+    )
+    engine.run_until_idle()
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True) is True, "reset failed on a settled engine"
+    served = cpu_tier_hit(engine, prompt, "queued-store-again")
+    assert served == 0, f"the CPU tier serves {served} tokens of a prompt whose store the reset dropped"
+    assert_no_leak(engine)
+    after = token_ids(3 * BLOCK + 5, start=2700)
+    engine.scheduler.add_request(va.make_request("after-reset", after, max_tokens=1))
+    engine.run(["after-reset"])
+    engine.run_until_idle()
+    served = cpu_tier_hit(engine, after, "after-reset-again")
+    assert served >= 3 * BLOCK, f"after the reset the CPU tier serves {served} tokens of a new prompt"
+    assert_no_leak(engine)
+
+
 # ---------------------------------------------------------------------------
 # 4. the tier the user configured
 # ---------------------------------------------------------------------------
