@@ -285,7 +285,8 @@ class Engine:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def idle_state(self) -> va.IdleState:
-        """Free device blocks and pinned CPU-tier blocks now, read from the release's structures."""
+        """Free device blocks, pinned CPU-tier blocks and the children's bookkeeping now, read from the
+        release's structures."""
         return va.idle_state(self.scheduler, self.offload, self.nixl)
 
     def leaks(self) -> list[str]:

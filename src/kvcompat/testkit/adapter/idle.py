@@ -1,11 +1,11 @@
-"""What an idle engine holds: free device blocks, the CPU tier's pinned blocks and the CPU-offload child's
+"""What an idle engine holds: free device blocks, the CPU tier's pinned blocks and the children's
 per-request bookkeeping, read from the release.
 
 A leak is something that stays held once every request is done: a device block no request owns, a
 CPU-tier block still pinned (a load or store whose completion never came, a cache hit reserved for a
 request that went away), or an entry a child's scheduler side keeps per request or per transfer
 event (a long-running server's memory grows with every such request, and a request id used
-again meets the old entry).  :func:`idle_state` reads both counts from the release's own structures, so a
+again meets the old entry).  :func:`idle_state` reads them all from the release's own structures, so a
 test compares an engine after a scenario with the same engine before it (its baseline), never with a
 number it assumed.  Reading only: nothing here frees, resets or nudges anything.
 
