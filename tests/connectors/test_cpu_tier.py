@@ -10,7 +10,9 @@ transfer stays in flight.  Every scenario ends with the engine back at its idle 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+from typing import Any
 
 import pytest
 
@@ -66,6 +68,38 @@ def test_cpu_tier_load_is_asynchronous_and_unpins_when_it_completes(engine, tran
     transport.release()
     engine.run(["tier-load"])
     assert req.num_computed_tokens >= 3 * BLOCK, "the loaded tokens were not counted as computed"
+    assert_no_leak(engine)
+
+
+def _offload_metric_names() -> Any:
+    """Explicit probe: the CPU-offload child's metric names (``v1/simple_kv_offload/metrics.py``), or None."""
+    name = "vllm.v1.simple_kv_offload.metrics"
+    if importlib.util.find_spec(name) is None:
+        return None
+    names = getattr(importlib.import_module(name), "MetricName", None)
+    return names if hasattr(names, "LOAD_BLOCKS") and hasattr(names, "SAVE_OUTCOMES") else None
+
+
+def test_cpu_tier_metrics_count_the_blocks_it_loaded(engine, transport, monkeypatch):
+    """What the CPU tier reports to the engine's stats (the counter a user reads in the logs and on
+    Prometheus) matches what it did: serving a prompt of three full blocks from the tier counts three
+    blocks loaded, counted over every report the Scheduler takes from the child (it drains them each
+    step).  (The store counters are for boundary hand-offs of hybrid models only,
+    ``BoundaryStoreStats`` in ``v1/simple_kv_offload/manager.py`` 0.34.0 L121, which this pair never makes.)"""
+    names = _offload_metric_names()
+    if names is None:
+        not_applicable("this release's CPU-offload child reports no load counter")
+    prompt = token_ids(3 * BLOCK + 5, start=2900)
+    stored_prefix(engine, prompt, "metrics-src")
+    reports: list[Any] = []
+    real = engine.offload.get_kv_connector_stats
+    ch.spy(monkeypatch, engine.offload, "get_kv_connector_stats", lambda: reports.append(real()) or reports[-1])
+    engine.scheduler.add_request(va.make_request("metrics-load", prompt, max_tokens=2))
+    engine.run(["metrics-load"])
+    engine.settle()
+    assert reports, "the Scheduler never asked the CPU-offload child for its stats"
+    loaded = sum((r.data.get("data", {}).get(names.LOAD_BLOCKS, {}).get((), 0) if r else 0) for r in reports)
+    assert loaded == 3, f"the CPU tier served the prompt's 3 full blocks and its stats count {loaded} loaded"
     assert_no_leak(engine)
 
 
