@@ -42,6 +42,20 @@ def _can_reset_connectors(engine) -> None:
 # ---------------------------------------------------------------------------
 # 1. loads
 # ---------------------------------------------------------------------------
+def _a_load_held_in_flight(engine, transport, prompt: list[int], req_id: str) -> tuple[Any, Any]:
+    """``prompt`` stored in the CPU tier, then a request for it whose load the CPU-offload child has
+    started and the transport holds in flight; returns the request and the step's SchedulerOutput."""
+    stored_prefix(engine, prompt, f"{req_id}-src")
+    transport.hold()
+    launched = transport.launched()
+    req = va.make_request(req_id, prompt, max_tokens=2)
+    engine.scheduler.add_request(req)
+    so = engine.step()
+    with setup_owned_by(STORED):
+        assert wait_until(lambda: transport.launched() > launched), "the CPU-offload child never started the load"
+    return req, so
+
+
 def test_cpu_tier_load_is_asynchronous_and_unpins_when_it_completes(engine, transport):
     """A prompt served from the CPU tier is loaded asynchronously: the request waits in
     WAITING_FOR_REMOTE_KVS, computing nothing, with the CPU blocks it reads pinned, while the copy is
@@ -50,14 +64,7 @@ def test_cpu_tier_load_is_asynchronous_and_unpins_when_it_completes(engine, tran
     from vllm.v1.request import RequestStatus
 
     prompt = token_ids(3 * BLOCK + 5, start=70)
-    stored_prefix(engine, prompt, "tier-src")
-    transport.hold()
-    launched = transport.launched()
-    req = va.make_request("tier-load", prompt, max_tokens=2)
-    engine.scheduler.add_request(req)
-    so = engine.step()
-    with setup_owned_by(STORED):
-        assert wait_until(lambda: transport.launched() > launched), "the CPU-offload child never started the load"
+    req, so = _a_load_held_in_flight(engine, transport, prompt, "tier-load")
     for _ in range(3):
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"{req.status} while its CPU load is in flight"
         assert so.num_scheduled_tokens.get("tier-load", 0) == 0, "the request computed tokens during its load"
@@ -91,9 +98,7 @@ def test_cpu_tier_metrics_count_the_blocks_it_loaded(engine, transport, monkeypa
         not_applicable("this release's CPU-offload child reports no load counter")
     prompt = token_ids(3 * BLOCK + 5, start=2900)
     stored_prefix(engine, prompt, "metrics-src")
-    reports: list[Any] = []
-    real = engine.offload.get_kv_connector_stats
-    ch.spy(monkeypatch, engine.offload, "get_kv_connector_stats", lambda: reports.append(real()) or reports[-1])
+    reports = ch.spy(monkeypatch, engine.offload, "get_kv_connector_stats").returned
     engine.scheduler.add_request(va.make_request("metrics-load", prompt, max_tokens=2))
     engine.run(["metrics-load"])
     engine.settle()
@@ -195,19 +200,12 @@ def test_reset_cache_refuses_while_a_cpu_tier_load_is_in_flight_and_keeps_its_bl
     from vllm.v1.request import RequestStatus
 
     prompt = token_ids(3 * BLOCK + 5, start=170)
-    stored_prefix(engine, prompt, "reset-load-src")
-    transport.hold()
-    launched = transport.launched()
-    req = va.make_request("reset-load", prompt, max_tokens=2)
-    engine.scheduler.add_request(req)
-    engine.step()
-    with setup_owned_by(STORED):
-        assert wait_until(lambda: transport.launched() > launched), "the CPU-offload child never started the load"
-    real = engine.offload.reset_cache
-    answers: list[bool] = []
-    ch.spy(monkeypatch, engine.offload, "reset_cache", lambda *a: answers.append(real(*a)) or answers[-1])
+    req, _ = _a_load_held_in_flight(engine, transport, prompt, "reset-load")
+    resets = ch.spy(monkeypatch, engine.offload, "reset_cache")
     assert engine.scheduler.reset_prefix_cache(reset_connector=True) is False, "the reset succeeded mid-load"
-    assert answers == [False], f"the CPU-offload child answered {answers} to a reset while its load was in flight"
+    assert resets.returned == [False], (
+        f"the CPU-offload child answered {resets.returned} to a reset while its load was in flight"
+    )
     for _ in range(3):
         engine.step()
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"{req.status} while its CPU load is in flight"
@@ -233,12 +231,10 @@ def test_reset_cache_right_after_a_prefill_only_request_drops_its_queued_store(e
     prompt = token_ids(3 * BLOCK + 5, start=2500)
     engine.scheduler.add_request(va.make_request("queued-store", prompt, max_tokens=1))
     engine.run(["queued-store"])
-    real = engine.offload.reset_cache
-    answers: list[bool] = []
-    ch.spy(monkeypatch, engine.offload, "reset_cache", lambda *a: answers.append(real(*a)) or answers[-1])
+    resets = ch.spy(monkeypatch, engine.offload, "reset_cache")
     engine.scheduler.reset_prefix_cache(reset_connector=True)
-    assert answers == [True], (
-        f"the CPU-offload child answered {answers} although the finished request's store had not started"
+    assert resets.returned == [True], (
+        f"the CPU-offload child answered {resets.returned} although the finished request's store had not started"
     )
     engine.run_until_idle()
     assert engine.scheduler.reset_prefix_cache(reset_connector=True) is True, "reset failed on a settled engine"

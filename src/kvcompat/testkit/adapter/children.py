@@ -20,9 +20,10 @@ from kvcompat.testkit.adapter.capabilities import V1, multi_classes
 
 @dataclasses.dataclass
 class Calls:
-    """Every call a spied method received: positional arguments, in order."""
+    """Every call a spied method received: positional arguments, and what it answered, in order."""
 
     args: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    returned: list[Any] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.args)
@@ -35,7 +36,8 @@ def spy(monkeypatch: Any, obj: Any, name: str, answer: Callable[..., Any] | None
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         calls.args.append(args)
-        return (answer or real)(*args, **kwargs)
+        calls.returned.append((answer or real)(*args, **kwargs))
+        return calls.returned[-1]
 
     monkeypatch.setattr(obj, name, recorded)
     return calls
