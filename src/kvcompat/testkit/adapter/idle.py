@@ -44,12 +44,10 @@ class IdleState:
             )
         at_idle = dict(baseline.tracked)
         for name, entries in self.tracked:
-            if entries > at_idle.get(name, 0):
+            idle = at_idle.get(name, 0)
+            if entries > idle:
                 child, _, attribute = name.partition(": ")
-                out.append(
-                    f"{child} still holds {entries - at_idle.get(name, 0)} entries in {attribute} "
-                    f"({entries}, {at_idle.get(name, 0)} at idle)"
-                )
+                out.append(f"{child} still holds {entries - idle} entries in {attribute} ({entries}, {idle} at idle)")
         return out
 
 
