@@ -301,6 +301,37 @@ def test_the_scheduler_filter_takes_the_methods_on_the_connectors_path():
     ]  # not the grammar, not the encoder-cache connector, not a module function
 
 
+MIXED = """
+class Scheduler:
+    def schedule(self):
+        budget = self.max_tokens - 1
+        if self.connector is not None:
+            ext = self.connector.get_num_new_matched_tokens(budget + 1)
+        else:
+            ext = budget - 7
+        self.ec_connector.build_connector_meta(budget > 2)
+        for req in self.waiting:
+            if req.status == WAITING_FOR_REMOTE_KVS:
+                req.tokens = ext + 3
+            req.steps = req.steps + 4
+        return budget > 5
+
+    def _update_from_kv_xfer_finished(self, out):
+        return len(out) > 6
+"""
+
+
+def test_the_scheduler_group_mutates_only_the_statements_on_the_connectors_path():
+    target = tg.TargetFile(
+        "vllm/v1/core/sched/scheduler.py", tg.Scope(("Scheduler",), functions=False, connector_paths=True)
+    )
+    made = operators.generate(MIXED, target)
+    lines = {m.line for m in made}
+    assert lines == {5, 6, 8, 11, 12, 17}  # the connector's `if` with its else, the WAITING_FOR_REMOTE_KVS branch,
+    # and every line of a method named after a KV transfer; not the budget, the encoder-cache connector, the loop's
+    # general bookkeeping or the return
+
+
 def test_the_aggregator_filter_takes_one_class():
     source = """
 def clip(blocks):

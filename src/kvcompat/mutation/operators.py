@@ -43,7 +43,7 @@ import dataclasses
 import re
 
 from kvcompat.mutation.generate import GeneratedMutant
-from kvcompat.mutation.targets import Scope, TargetFile, names_connector
+from kvcompat.mutation.targets import Scope, TargetFile, connector_statements, names_connector
 
 OPERATORS = ("negate-if", "compare", "and-or", "no-early-return", "drop-call", "const", "zero-return")
 # Methods whose call, as a statement of its own, is there to change some state.
@@ -379,6 +379,14 @@ def sites(fn: Function, text: Text) -> list[Site]:
     return found
 
 
+def _in_scope(found: list[Site], fn: Function, text: Text, scope: Scope) -> list[Site]:
+    """The sites the scope mutates: with ``connector_paths``, those inside a statement on the connector's path."""
+    if not scope.connector_paths:
+        return found
+    spans = [text.span(s) for s in connector_statements(fn.node)]
+    return [x for x in found if any(s <= x.start and x.end <= e for s, e in spans)]
+
+
 def generate(source: str, target: TargetFile) -> list[GeneratedMutant]:
     """The mutants of one file of a group, in file order (each compiles: checked here, before any run)."""
     text = Text(source)
@@ -389,7 +397,7 @@ def generate(source: str, target: TargetFile) -> list[GeneratedMutant]:
     twins: dict[int, str] = {}
     for fn in functions(source, target.scope):
         who = f"{_slug(fn.cls)}-{_slug(fn.name)}" if fn.cls else _slug(fn.name)
-        for site in sites(fn, text):
+        for site in _in_scope(sites(fn, text), fn, text, target.scope):
             key = (fn.contract, site.op)
             counts[key] = counts.get(key, 0) + 1
             mid = f"gen-{file}-{who}-{site.op}-{counts[key]}"

@@ -16,8 +16,11 @@
   (vllm/v1/simple_kv_offload/manager.py, worker.py, metadata.py).  copy_backend.py and cuda_mem_ops.py
   are the CUDA transport, which the testkit replaces (kvcompat.testkit.cuda_transport): not mutated,
   listed as "transport replaced";
-* ``scheduler``: vllm/v1/core/sched/scheduler.py, the Scheduler methods on the connector's path only:
-  those whose AST names the connector or a KV transfer (:data:`CONNECTOR_WORDS`);
+* ``scheduler``: vllm/v1/core/sched/scheduler.py, the Scheduler's connector paths only: in the methods
+  whose AST names the connector or a KV transfer (:data:`CONNECTOR_WORDS`), the statements that do
+  (a compound statement whose header does, whole; every statement of a method whose name does).
+  ``schedule`` and ``update_from_output`` are mostly general scheduling (chunked prefill, drafts,
+  encoder inputs, structured output): their other lines are not the connector's path;
 * ``aggregator``: kv_connector/utils.py, class KVOutputAggregator only (what the executor uses to merge
   the workers' KVConnectorOutput).
 
@@ -65,8 +68,8 @@ OFFLOAD_FILES = (
 OFFLOAD_REPLACED = ("vllm/v1/simple_kv_offload/copy_backend.py", "vllm/v1/simple_kv_offload/cuda_mem_ops.py")
 SCHEDULER_FILE = "vllm/v1/core/sched/scheduler.py"
 AGGREGATOR_FILE = "vllm/distributed/kv_transfer/kv_connector/utils.py"
-# A Scheduler method is on the connector's path when its name or a name in its body (a variable, an
-# attribute, a called function, an argument, a keyword) contains one of these.  The encoder-cache
+# A Scheduler method, or a statement in one, is on the connector's path when its name or a name in it (a
+# variable, an attribute, a called function, an argument, a keyword) contains one of these.  The encoder-cache
 # connector (``ec_connector``, ECConnector) is another connector: its names do not count.
 CONNECTOR_WORDS = (
     "connector",
@@ -79,8 +82,10 @@ CONNECTOR_WORDS = (
     "WAITING_FOR_REMOTE_KVS",
     "_free_blocks",
     "failed_recving",
+    "external_computed",  # num_external_computed_tokens: the tokens the connector will load
+    "load_kv_async",
 )
-NOT_THE_CONNECTOR = re.compile(r"ec_connector|ECConnector|EC_CONNECTOR")
+NOT_THE_CONNECTOR = re.compile(r"ec_connector|ECConnector|EC_CONNECTOR|aux_output_connector")
 
 
 class TargetError(KvcompatError):
@@ -94,7 +99,9 @@ class Scope:
     classes: tuple[str, ...] | None = None  # only these classes (None: every class)
     exclude_classes: re.Pattern | None = None  # classes whose name matches are left out
     functions: bool = True  # module-level functions too
-    connector_paths: bool = False  # only methods whose body names the connector (CONNECTOR_WORDS)
+    connector_paths: bool = (
+        False  # only the statements that name the connector (CONNECTOR_WORDS), see connector_statements
+    )
 
     def describe(self) -> str:
         parts = []
@@ -103,7 +110,7 @@ class Scope:
         if self.exclude_classes is not None:
             parts.append(f"classes matching /{self.exclude_classes.pattern}/ left out")
         if self.connector_paths:
-            parts.append("methods whose body names the connector or a KV transfer")
+            parts.append("statements that name the connector or a KV transfer")
         return "; ".join(parts) or "every function and method"
 
 
@@ -177,6 +184,20 @@ def resolve(site: Path, group: str) -> Resolved:
 
 def names_connector(fn: ast.AST) -> bool:
     """Whether a function (its name, or a name in its body) names the connector or a KV transfer."""
+    return any(is_connector_name(name) for name in _names(fn))
+
+
+def _names_another_connector(node: ast.AST) -> bool:
+    return any(NOT_THE_CONNECTOR.search(name) for name in _names(node))
+
+
+def _ours(node: ast.AST) -> bool:
+    """A statement or header on the KV connector's path: it names it, and no other connector."""
+    return names_connector(node) and not _names_another_connector(node)
+
+
+def _names(fn: ast.AST):
+    """Every identifier in ``fn``: names, attributes, arguments, keywords, function names."""
     for node in ast.walk(fn):
         names: list[str] = []
         if isinstance(node, ast.Name):
@@ -189,6 +210,69 @@ def names_connector(fn: ast.AST) -> bool:
             names.append(node.arg)
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # the method's own name too
             names.append(node.name)
-        if any(word in NOT_THE_CONNECTOR.sub("", name) for name in names for word in CONNECTOR_WORDS):
-            return True
-    return False
+        yield from names
+
+
+def is_connector_name(name: str) -> bool:
+    """Whether an identifier names the connector or a KV transfer (the encoder-cache connector's do not)."""
+    name = NOT_THE_CONNECTOR.sub("", name)
+    return any(word in name for word in CONNECTOR_WORDS)
+
+
+_HEADERS = {
+    ast.If: ("test",),
+    ast.While: ("test",),
+    ast.For: ("target", "iter"),
+    ast.AsyncFor: ("target", "iter"),
+    ast.With: ("items",),
+    ast.AsyncWith: ("items",),
+    ast.Match: ("subject",),
+}
+
+
+def connector_statements(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.stmt]:
+    """The statements of ``fn`` on the connector's path, outermost first (what the scheduler group mutates).
+
+    Every statement when the function's own name names the connector; otherwise a compound statement whose
+    header (an ``if``'s or ``while``'s test, a ``for``'s target and iterable, a ``with``'s items) names it,
+    whole (its ``else`` too), and each simple statement that names it; the bodies of other compound statements
+    are looked into.
+    """
+    if is_connector_name(fn.name):
+        return list(fn.body)
+    found: list[ast.stmt] = []
+
+    def visit(stmts: list[ast.stmt]) -> None:
+        for s in stmts:
+            fields = _HEADERS.get(type(s))
+            if isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef):
+                found.extend(connector_statements(s))
+            elif fields is None and not _has_body(s):
+                if _ours(s):
+                    found.append(s)
+            elif fields is not None and any(_ours(_as_node(getattr(s, f))) for f in fields):
+                found.append(s)
+            else:
+                for inner in _bodies(s):
+                    visit(inner)
+
+    visit(fn.body)
+    return found
+
+
+def _has_body(s: ast.stmt) -> bool:
+    return any(isinstance(getattr(s, f, None), list) for f in ("body", "orelse", "finalbody", "handlers", "cases"))
+
+
+def _bodies(s: ast.stmt) -> list[list[ast.stmt]]:
+    out = [getattr(s, f) for f in ("body", "orelse", "finalbody") if isinstance(getattr(s, f, None), list)]
+    out += [h.body for h in getattr(s, "handlers", [])]
+    out += [c.body for c in getattr(s, "cases", [])]
+    return out
+
+
+def _as_node(value: ast.AST | list) -> ast.AST:
+    """A header field as one node (a ``with``'s items are a list)."""
+    if isinstance(value, list):
+        return ast.Tuple(elts=[v.context_expr if isinstance(v, ast.withitem) else v for v in value], ctx=ast.Load())
+    return value
