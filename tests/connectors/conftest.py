@@ -22,6 +22,7 @@ connectors exists at all is decided by explicit probes of the installed distribu
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import socket
 import time
@@ -32,6 +33,7 @@ import pytest
 
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable, probes, record_fact, setup_owned_by
+from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 from kvcompat.testkit.shutdowns import DeferredShutdowns
 from kvcompat.testkit.shutdowns import report as report_shutdown_failures
@@ -489,12 +491,32 @@ def stored_prefix(engine: Engine, prompt: list[int], req_id: str) -> None:
         assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine settled"
 
 
+def can_reset_connectors(engine) -> None:
+    """Explicit probe: the release can reset the connectors' caches through the scheduler."""
+    if not hasattr(ch.base_class(), "reset_cache"):
+        not_applicable("the release's connector API has no reset_cache")
+    if "reset_connector" not in inspect.signature(engine.scheduler.reset_prefix_cache).parameters:
+        not_applicable("the scheduler cannot reset connectors' caches in this release")
+
+
+def a_load_held_in_flight(engine, transport, prompt: list[int], req_id: str) -> tuple[Any, Any]:
+    """``prompt`` stored in the CPU tier, then a request for it whose load the CPU-offload child has
+    started and the transport holds in flight; returns the request and the step's SchedulerOutput."""
+    stored_prefix(engine, prompt, f"{req_id}-src")
+    transport.hold()
+    launched = transport.launched()
+    req = va.make_request(req_id, prompt, max_tokens=2)
+    engine.scheduler.add_request(req)
+    so = engine.step()
+    with setup_owned_by(STORED):
+        assert wait_until(lambda: transport.launched() > launched), "the CPU-offload child never started the load"
+    return req, so
+
+
 def fail_a_loaded_block(monkeypatch, engine: Engine, child: Any, req_id: str) -> set[int]:
     """Script one answer of a worker-role CPU-offload ``child``: when its load of ``req_id`` completes, it names
     block 1 of the request in get_block_ids_with_load_errors (once).  Returns the failed block ids, filled in
     when that happens (empty until then)."""
-    from kvcompat.testkit.adapter import children as ch
-
     hook = ch.completion_hook()
     real_hook = getattr(child, hook)
     failed: set[int] = set()

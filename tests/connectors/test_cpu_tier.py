@@ -24,7 +24,9 @@ from conftest import (
     BLOCK,
     NUM_GPU_BLOCKS,
     STORED,
+    a_load_held_in_flight,
     assert_no_leak,
+    can_reset_connectors,
     cpu_tier_hit,
     stored_prefix,
     token_ids,
@@ -32,30 +34,9 @@ from conftest import (
 )
 
 
-def _can_reset_connectors(engine) -> None:
-    if not hasattr(ch.base_class(), "reset_cache"):
-        not_applicable("the release's connector API has no reset_cache")
-    if "reset_connector" not in inspect.signature(engine.scheduler.reset_prefix_cache).parameters:
-        not_applicable("the scheduler cannot reset connectors' caches in this release")
-
-
 # ---------------------------------------------------------------------------
 # 1. loads
 # ---------------------------------------------------------------------------
-def _a_load_held_in_flight(engine, transport, prompt: list[int], req_id: str) -> tuple[Any, Any]:
-    """``prompt`` stored in the CPU tier, then a request for it whose load the CPU-offload child has
-    started and the transport holds in flight; returns the request and the step's SchedulerOutput."""
-    stored_prefix(engine, prompt, f"{req_id}-src")
-    transport.hold()
-    launched = transport.launched()
-    req = va.make_request(req_id, prompt, max_tokens=2)
-    engine.scheduler.add_request(req)
-    so = engine.step()
-    with setup_owned_by(STORED):
-        assert wait_until(lambda: transport.launched() > launched), "the CPU-offload child never started the load"
-    return req, so
-
-
 def test_cpu_tier_load_is_asynchronous_and_unpins_when_it_completes(engine, transport):
     """A prompt served from the CPU tier is loaded asynchronously: the request waits in
     WAITING_FOR_REMOTE_KVS, computing nothing, with the CPU blocks it reads pinned, while the copy is
@@ -64,7 +45,7 @@ def test_cpu_tier_load_is_asynchronous_and_unpins_when_it_completes(engine, tran
     from vllm.v1.request import RequestStatus
 
     prompt = token_ids(3 * BLOCK + 5, start=70)
-    req, so = _a_load_held_in_flight(engine, transport, prompt, "tier-load")
+    req, so = a_load_held_in_flight(engine, transport, prompt, "tier-load")
     for _ in range(3):
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"{req.status} while its CPU load is in flight"
         assert so.num_scheduled_tokens.get("tier-load", 0) == 0, "the request computed tokens during its load"
@@ -157,7 +138,7 @@ def test_reset_cache_on_an_idle_engine_answers_and_reaches_both_children(engine,
     """Resetting the prefix cache together with the connectors' caches on an idle engine (nothing
     stored, nothing in flight) does not raise, reaches both children once, and succeeds.  (Needs no
     stored prefix: a release whose reset raises is red here even if its stores are broken.)"""
-    _can_reset_connectors(engine)
+    can_reset_connectors(engine)
     calls = [ch.spy(monkeypatch, c, "reset_cache") for c in engine.multi._connectors]
     assert engine.scheduler.reset_prefix_cache(reset_connector=True) is True
     assert [len(c) for c in calls] == [1, 1], f"reset_cache calls per child: {[len(c) for c in calls]}"
@@ -169,7 +150,7 @@ def test_reset_cache_refuses_while_a_store_is_in_flight_then_clears_the_cpu_tier
     (the child cannot drop blocks a copy is writing) and raises nothing; once the copy has completed
     and the engine settled, the reset succeeds, the CPU tier serves nothing of the old prompt, and no
     block stays pinned."""
-    _can_reset_connectors(engine)
+    can_reset_connectors(engine)
     prompt = token_ids(3 * BLOCK + 5, start=110)
     transport.hold()
     engine.scheduler.add_request(va.make_request("reset-flight", prompt, max_tokens=2))
@@ -196,11 +177,11 @@ def test_reset_cache_refuses_while_a_cpu_tier_load_is_in_flight_and_keeps_its_bl
     runs with the loaded tokens, and on the settled engine a reset succeeds and nothing leaks.  (The
     device cache cannot reset while the loading request holds blocks, so the child's own answer is
     checked, not only the scheduler's.)"""
-    _can_reset_connectors(engine)
+    can_reset_connectors(engine)
     from vllm.v1.request import RequestStatus
 
     prompt = token_ids(3 * BLOCK + 5, start=170)
-    req, _ = _a_load_held_in_flight(engine, transport, prompt, "reset-load")
+    req, _ = a_load_held_in_flight(engine, transport, prompt, "reset-load")
     resets = ch.spy(monkeypatch, engine.offload, "reset_cache")
     assert engine.scheduler.reset_prefix_cache(reset_connector=True) is False, "the reset succeeded mid-load"
     assert resets.returned == [False], (
@@ -226,7 +207,7 @@ def test_reset_cache_right_after_a_prefill_only_request_drops_its_queued_store(e
     the device cache may still refuse while the store's references hold its blocks), the CPU tier then
     serves nothing of the prompt, the engine settles with nothing leaked, a second reset succeeds, and the
     tier keeps working (the next prompt is stored and served)."""
-    _can_reset_connectors(engine)
+    can_reset_connectors(engine)
     stored_prefix(engine, token_ids(2 * BLOCK + 3, start=2300), "decodes-before-reset")
     prompt = token_ids(3 * BLOCK + 5, start=2500)
     engine.scheduler.add_request(va.make_request("queued-store", prompt, max_tokens=1))
