@@ -34,6 +34,7 @@ import pytest
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable, probes, record_fact, setup_owned_by
 from kvcompat.testkit.adapter import children as ch
+from kvcompat.testkit.adapter import idle
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
 from kvcompat.testkit.shutdowns import DeferredShutdowns
 from kvcompat.testkit.shutdowns import report as report_shutdown_failures
@@ -195,6 +196,7 @@ class Engine:
     metas: list[Any] = field(default_factory=list)
     sched_outputs: list[Any] = field(default_factory=list)
     kv_outputs: list[Any] = field(default_factory=list)  # what the scheduler got from the workers, per step
+    request_ids: set[str] = field(default_factory=set)  # every request added to this engine (see make_engine)
 
     @property
     def multi(self) -> Any:
@@ -292,10 +294,28 @@ class Engine:
         return va.idle_state(self.scheduler, self.offload, self.nixl)
 
     def leaks(self) -> list[str]:
-        """What this engine still holds beyond its baseline, once it has settled (empty: no leak)."""
+        """What this engine still holds beyond its baseline once it has settled, and every place a
+        connector, scheduler or worker side, still names a request it was given (empty: no leak)."""
         assert self.baseline is not None, "leaks() is for engines with the deployed pair of children"
         self.settle()
-        return self.idle_state().leaks_against(self.baseline)
+        return self.idle_state().leaks_against(self.baseline) + idle.requests_still_held(
+            self.connector_state(), self.request_ids
+        )
+
+    def connector_state(self) -> dict[str, Any]:
+        """The objects that hold the connectors' per-request state: MultiConnector and each child's
+        scheduler half, and on every rank MultiConnector and each child's worker half."""
+        out = {
+            "MultiConnector (scheduler)": self.multi,
+            "the Nixl child's scheduler": idle.scheduler_object(self.nixl),
+            "the CPU-offload child's scheduler": idle.scheduler_object(self.offload),
+        }
+        for r, rank in enumerate(self.ranks):
+            multi = rank.connector
+            out[f"rank {r}'s MultiConnector"] = multi
+            out[f"rank {r}'s Nixl worker"] = idle.worker_object(multi._connectors[self.nixl_index])
+            out[f"rank {r}'s CPU-offload worker"] = idle.worker_object(multi._connectors[self.offload_index])
+        return out
 
     def kv_transfer_name(self) -> str:
         return self.vllm_config.kv_transfer_config.engine_id
@@ -422,6 +442,7 @@ def make_engine(request, release, tiny_model_dir, nixl_agent, single_rank_distri
                 ranks[-1].register()
             va.report_offload_blocks(cfg, ranks)
         engine = Engine(va.make_scheduler(cfg, kvc), cfg, kvc, ranks, order)
+        _record_request_ids(engine)
         engine.baseline_free = engine.free_blocks()
         if pair:  # a test's own children (an ExampleConnector, ...) have no CPU tier to account for
             engine.baseline = engine.idle_state()
@@ -441,6 +462,17 @@ def make_engine(request, release, tiny_model_dir, nixl_agent, single_rank_distri
             s.shutdown()
 
     deferred_shutdowns.start(request.node.nodeid, shut_schedulers)
+
+
+def _record_request_ids(engine: Engine) -> None:
+    """Note every request id added to the engine's scheduler (for the leak check; the call goes on unchanged)."""
+    add = engine.scheduler.add_request
+
+    def add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+        engine.request_ids.add(request.request_id)
+        return add(request, *args, **kwargs)
+
+    engine.scheduler.add_request = add_request
 
 
 @pytest.fixture

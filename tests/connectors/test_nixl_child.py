@@ -20,7 +20,7 @@ import pytest
 from kvcompat.outcomes import CHILD_ORDERS
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable, setup_owned_by
-from kvcompat.testkit.adapter.idle import scheduler_object
+from kvcompat.testkit.adapter.idle import scheduler_object, worker_object
 
 from conftest import (
     BLOCK,
@@ -568,4 +568,42 @@ def test_no_leak_check_sees_a_request_left_in_the_cpu_offload_childs_bookkeeping
         assert any(empty[0] in leak for leak in leaks), f"an entry left in {empty[0]} went unnoticed: {leaks}"
     finally:
         del held["kvcompat-ghost"]
+    assert not engine.leaks()
+
+
+def test_no_leak_check_sees_a_cpu_block_freed_twice(engine):
+    """The leak check itself: a CPU-tier block freed once more than it was taken (its reference count
+    below 0, which the block pool does not refuse) is reported."""
+    pool = getattr(getattr(engine.offload, "scheduler_manager", None), "cpu_block_pool", None)
+    if pool is None:
+        not_applicable("the CPU-offload child of this release keeps no BlockPool of CPU blocks")
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block])
+    block.ref_cnt -= 1  # the second free, as a double-freeing release would do it
+    try:
+        leaks = engine.leaks()
+        assert any("freed more often" in leak for leak in leaks), f"a CPU block freed twice went unnoticed: {leaks}"
+    finally:
+        block.ref_cnt += 1
+    assert not engine.leaks()
+
+
+def test_no_leak_check_sees_a_finished_request_still_named_by_a_nixl_worker(engine):
+    """The leak check itself: a request the engine finished, still named in the Nixl child's worker half
+    (a per-request dict no baseline sizes), is reported with the holder and the container."""
+    worker = worker_object(engine.worker._connectors[engine.nixl_index])
+    empty = sorted(n for n, v in vars(worker or object()).items() if isinstance(v, dict) and not v)
+    if not empty:
+        not_applicable("the Nixl child's worker of this release keeps no per-request dict")
+    engine.scheduler.add_request(va.make_request("ghost", token_ids(BLOCK + 3), max_tokens=1))
+    engine.run(["ghost"])
+    held = getattr(worker, empty[0])
+    held["ghost"] = None
+    try:
+        leaks = engine.leaks()
+        assert any("'ghost'" in leak and empty[0] in leak for leak in leaks), (
+            f"'ghost' in {empty[0]} unnoticed: {leaks}"
+        )
+    finally:
+        del held["ghost"]
     assert not engine.leaks()
