@@ -266,6 +266,41 @@ def test_cpu_tier_has_the_blocks_the_user_asked_for(make_engine, asked, prompt_b
     assert_no_leak(engine)
 
 
+def test_a_cpu_tier_smaller_than_a_prompt_stores_and_serves_what_fits(make_engine):
+    """A CPU tier with room for fewer blocks than a prompt fills (two, for a prompt of three full blocks)
+    still works: the request finishes, nothing raises, the tier serves the head of the prompt that fits
+    in it, and nothing leaks."""
+    _takes_num_cpu_blocks()
+    engine = make_engine(offload_extra_config={"num_cpu_blocks": 3})  # block 0 is the pool's null block
+    prompt = token_ids(3 * BLOCK + 5, start=4100)
+    stored_prefix(engine, prompt, "small-tier-src")  # owned by the store contract (STORED) inside
+    served = cpu_tier_hit(engine, prompt, "small-tier")
+    assert served == 2 * BLOCK, f"a CPU tier of 2 usable blocks serves {served} tokens of a 3-block prompt"
+    assert_no_leak(engine)
+
+
+def test_a_prompt_in_use_from_the_device_cache_is_evicted_from_the_cpu_tier_after_an_unused_one(make_engine):
+    """The CPU tier evicts the prompt used longest ago, and a prompt served from the device's own prefix
+    cache counts as used: in a tier with room for two prompts, after A and B are stored and A runs again
+    (from the device cache), storing a third prompt evicts B, not A, and the tier still serves all of A."""
+    _takes_num_cpu_blocks()
+    engine = make_engine(offload_extra_config={"num_cpu_blocks": 7})  # 6 usable: two prompts of 3 blocks
+    a, b, c = (token_ids(3 * BLOCK + 5, start=s) for s in (4300, 4500, 4700))
+    for rid, prompt in (("lru-a", a), ("lru-b", b), ("lru-a-again", a), ("lru-c", c)):
+        engine.scheduler.add_request(va.make_request(rid, prompt, max_tokens=2))
+        engine.run([rid])
+        engine.settle()
+    with setup_owned_by(STORED):
+        assert engine.transfers.stores(), "the CPU-offload child stored nothing of the finished requests"
+    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine settled"
+    served_a, served_b = cpu_tier_hit(engine, a, "lru-a-tier"), cpu_tier_hit(engine, b, "lru-b-tier")
+    assert served_a >= 3 * BLOCK, (
+        f"the CPU tier serves {served_a} tokens of A, which ran again after B, and {served_b} of B: "
+        "it evicted the prompt in use instead of the one used longest ago"
+    )
+    assert_no_leak(engine)
+
+
 def test_a_cpu_tier_of_no_blocks_is_refused_at_start(tiny_model_dir, single_rank_distributed, nixl_agent):
     """``num_cpu_blocks`` of 0 (or not a whole number) is refused when the engine is built, on the
     scheduler side and on the worker, with an error that names the setting: never a tier that
