@@ -273,7 +273,11 @@ def test_a_cpu_tier_smaller_than_a_prompt_stores_and_serves_what_fits(make_engin
     _takes_num_cpu_blocks()
     engine = make_engine(offload_extra_config={"num_cpu_blocks": 3})  # block 0 is the pool's null block
     prompt = token_ids(3 * BLOCK + 5, start=4100)
-    stored_prefix(engine, prompt, "small-tier-src")  # owned by the store contract (STORED) inside
+    engine.scheduler.add_request(va.make_request("small-tier-src", prompt, max_tokens=2))
+    engine.run(["small-tier-src"])  # a store that does not fit must not break the request: this contract's
+    engine.settle()
+    assert engine.transfers.stores(), "a CPU tier smaller than the prompt stored none of it"
+    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine settled"
     served = cpu_tier_hit(engine, prompt, "small-tier")
     assert served == 2 * BLOCK, f"a CPU tier of 2 usable blocks serves {served} tokens of a 3-block prompt"
     assert_no_leak(engine)

@@ -112,9 +112,7 @@ def _served_back_byte_exact(engine, prompt: list[int], req_id: str) -> None:
 # ---------------------------------------------------------------------------
 # 1. a preemption with copies in flight
 # ---------------------------------------------------------------------------
-def test_a_preemption_waits_for_the_cpu_tier_copies_in_flight_before_the_step_runs(
-    make_engine, transport, monkeypatch
-):
+def test_a_preemption_waits_for_the_cpu_tier_copies_in_flight_before_the_step_runs(make_engine, transport, monkeypatch):
     """When the Scheduler preempts a request while the CPU-offload child's copies of its blocks are still
     in flight, the workers finish those copies before the step's forward pass runs (the child's
     handle_preemptions: the preempted request's blocks may be handed out in that very step, and a copy
@@ -151,7 +149,9 @@ def test_a_preemption_waits_for_the_cpu_tier_copies_in_flight_before_the_step_ru
         pytest.fail("the scheduler never preempted the second request: the scenario was not built")
     with setup_owned_by(STORED):
         assert transport.stores(), "the CPU-offload child stored nothing of the two requests"
-    assert queued_at_preemption[0] > 0, "no copy was in flight when the request was preempted: the scenario was not built"
+    assert queued_at_preemption[0] > 0, (
+        "no copy was in flight when the request was preempted: the scenario was not built"
+    )
     assert at_preemption, "the step that preempted the request ran no forward pass: the scenario was not built"
     assert all(n == 0 for n in at_preemption), (
         f"{max(at_preemption)} copies to or from the CPU tier were still in flight when the forward pass of the "
@@ -186,8 +186,7 @@ def test_a_resumed_request_stores_again_the_blocks_the_cpu_tier_evicted_while_it
         pytest.fail("the scheduler never preempted the second request: the scenario was not built")
     with setup_owned_by(STORED):
         assert held and held[0] == SECOND_FULL, (
-            f"the CPU tier held {held[:1]} of the preempted request's {SECOND_FULL} prompt blocks when it was "
-            "preempted"
+            f"the CPU tier held {held[:1]} of the preempted request's {SECOND_FULL} prompt blocks when it was preempted"
         )
     if min(held) == SECOND_FULL:
         pytest.fail("the CPU tier never evicted the preempted request's first block: the scenario was not built")
