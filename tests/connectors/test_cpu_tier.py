@@ -131,6 +131,25 @@ def test_blocks_filled_during_decode_are_stored_too(engine, transport):
     assert_no_leak(engine)
 
 
+def test_a_prompt_that_extends_a_stored_one_has_its_new_blocks_stored_too(engine):
+    """A prompt that starts with one already in the CPU tier (a conversation's next turn, a shared system
+    prompt) and adds blocks of its own has those new blocks stored as well: afterwards the CPU tier serves
+    the whole longer prompt, not only the part it had."""
+    first = token_ids(3 * BLOCK, start=5500)
+    stored_prefix(engine, first + token_ids(5, start=3), "extends-first")
+    longer = first + token_ids(3 * BLOCK + 5, start=5700)
+    engine.scheduler.add_request(va.make_request("extends-longer", longer, max_tokens=2))
+    engine.run(["extends-longer"])
+    engine.settle()
+    assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine settled"
+    served = cpu_tier_hit(engine, longer, "extends-again")
+    assert served >= 6 * BLOCK, (
+        f"the CPU tier serves {served} tokens of a 6-block prompt that extends a stored 3-block one: "
+        "the new blocks were not stored"
+    )
+    assert_no_leak(engine)
+
+
 # ---------------------------------------------------------------------------
 # 3. reset_cache
 # ---------------------------------------------------------------------------

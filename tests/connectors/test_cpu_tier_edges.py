@@ -129,3 +129,39 @@ def test_a_reset_while_a_request_decodes_raises_nothing_and_the_tier_keeps_servi
     served = cpu_tier_hit(engine, after, "after-reset")
     assert served >= 3 * BLOCK, f"after a reset mid-decode the CPU tier serves {served} tokens of a new prompt"
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("ended_by", ["a reset", "an abort"])
+def test_a_cpu_tier_hit_reserved_for_a_request_waiting_for_device_blocks_is_released_once(make_engine, ended_by):
+    """A request whose prompt is in the CPU tier but which must wait for device blocks (the pool is busy)
+    keeps its CPU-tier hit reserved while it waits.  A reset of the caches, or an abort of the request,
+    releases that reservation exactly once: the request (when not aborted) and the busy one run to their
+    end, the tier keeps storing and serving, and no block is left pinned or freed twice."""
+    from vllm.v1.request import RequestStatus
+
+    engine = make_engine(num_blocks=8)  # 7 usable device blocks (block 0 is the null block)
+    if ended_by == "a reset":
+        can_reset_connectors(engine)
+    prompt = token_ids(3 * BLOCK + 5, start=4900)
+    stored_prefix(engine, prompt, "reserved-src")
+    engine.scheduler.add_request(va.make_request("busy", token_ids(4 * BLOCK + 20, start=5100), max_tokens=30))
+    engine.step()
+    engine.scheduler.add_request(va.make_request("reserved", prompt, max_tokens=2))
+    engine.step()
+    waiting = engine.scheduler.requests["reserved"]
+    assert waiting.num_computed_tokens == 0, "scenario not built: the request got device blocks at once"
+    assert engine.idle_state().pinned_cpu_blocks > engine.baseline.pinned_cpu_blocks, (
+        "a request waiting for device blocks does not keep its CPU-tier hit reserved: the tier may evict it"
+    )
+    if ended_by == "a reset":
+        engine.scheduler.reset_prefix_cache(reset_connector=True)  # refused (busy holds blocks); the tier resets
+        engine.run(["busy", "reserved"])
+    else:
+        engine.scheduler.finish_requests("reserved", RequestStatus.FINISHED_ABORTED)
+        engine.run(["busy"])
+    engine.settle()
+    after = token_ids(3 * BLOCK + 5, start=5300)
+    stored_prefix(engine, after, "after-reserved-src")
+    served = cpu_tier_hit(engine, after, "after-reserved")
+    assert served >= 3 * BLOCK, f"after {ended_by} of a waiting request the CPU tier serves {served} tokens"
+    assert_no_leak(engine)
