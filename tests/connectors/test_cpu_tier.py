@@ -86,6 +86,12 @@ def test_cpu_tier_metrics_count_the_blocks_it_loaded(engine, transport, monkeypa
     assert reports, "the Scheduler never asked the CPU-offload child for its stats"
     loaded = sum((r.data.get("data", {}).get(names.LOAD_BLOCKS, {}).get((), 0) if r else 0) for r in reports)
     assert loaded == 3, f"the CPU tier served the prompt's 3 full blocks and its stats count {loaded} loaded"
+    info = {labels for r in reports if r for labels in r.data.get("data", {}).get(getattr(names, "INFO", ""), {})}
+    tier = str(len(engine.offload.scheduler_manager.cpu_block_pool.blocks))
+    assert info or not hasattr(names, "INFO"), "the CPU tier never described itself to the metrics (info gauge)"
+    assert all(labels[0] == "cpu" and labels[-1] == tier for labels in info), (
+        f"the CPU tier of {tier} blocks describes itself to the metrics as {sorted(info)} (backend, ..., capacity)"
+    )
     assert_no_leak(engine)
 
 
