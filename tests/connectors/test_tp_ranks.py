@@ -22,6 +22,7 @@ from conftest import (
     BLOCK,
     STORED,
     assert_no_leak,
+    can_reset_connectors,
     cpu_tier_hit,
     fail_a_loaded_block,
     patient_steps,
@@ -225,4 +226,39 @@ def test_a_store_counts_only_when_both_ranks_have_stored(make_engine, transport,
     engine.settle()
     served = cpu_tier_hit(engine, prompt, "tp-store-late")
     assert served == 3 * BLOCK, f"the CPU tier serves {served} tokens once both ranks stored, not {3 * BLOCK}"
+    assert_no_leak(engine)
+
+
+def test_a_reset_while_one_rank_still_stores_releases_the_store_when_that_rank_finishes(
+    make_engine, transport, monkeypatch
+):
+    """Resetting the caches while a store to the CPU tier is done on rank 0 and still running on rank 1
+    abandons it: nothing of that prompt is served afterwards, and once rank 1 reports its half done the
+    abandoned store's CPU and device blocks are released (a reset on the settled engine succeeds, nothing
+    leaks) and the tier stores and serves the next prompt."""
+    if not hasattr(ch.base_class(), "build_connector_worker_meta"):
+        not_applicable("this release's workers report no metadata (store completions per rank)")
+    engine = _tp2(make_engine)
+    can_reset_connectors(engine)
+    slow = SlowWorkerMeta(monkeypatch, engine.ranks[1].connector)
+    prompt = token_ids(3 * BLOCK + 5, start=6100)
+    engine.scheduler.add_request(va.make_request("tp-reset", prompt, max_tokens=2))
+    engine.run(["tp-reset"])
+    for _ in patient_steps(20):
+        if slow.held:
+            break
+        engine.step()
+    with setup_owned_by(STORED):
+        assert slow.held, "rank 1 never reported a store done"
+    engine.step()
+    engine.scheduler.reset_prefix_cache(reset_connector=True)
+    slow.holding = False
+    engine.settle()
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True) is True, "reset failed on a settled engine"
+    served = cpu_tier_hit(engine, prompt, "tp-reset-again")
+    assert served == 0, f"the CPU tier serves {served} tokens of a store the reset abandoned"
+    assert_no_leak(engine)
+    after = token_ids(3 * BLOCK + 5, start=6300)
+    stored_prefix(engine, after, "tp-after-reset")
+    assert cpu_tier_hit(engine, after, "tp-after-reset-hit") == 3 * BLOCK, "the tier stopped serving after the reset"
     assert_no_leak(engine)
