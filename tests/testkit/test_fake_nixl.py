@@ -79,6 +79,50 @@ def test_a_transfer_is_in_progress_until_polled_then_moves_the_bytes_and_notifie
         d.make_prepped_xfer("READ", local, [0], remote, [0])
 
 
+def test_a_disconnect_invalidates_the_remote_agent_until_it_is_added_again(agents):
+    """A READ whose backend reports a remote disconnect ends in ERR (no bytes, no notification) and drops the
+    target agent's metadata, as nixlAgent::getXferStatus does (invalidateRemoteData): check_remote_metadata
+    says so, posting another transfer towards it raises (postXferReq: NIXL_ERR_NOT_FOUND) and one in flight
+    ends in ERR; once the agent's metadata is added again, transfers to it work."""
+    d, p = agents
+    d.add_remote_agent(p.get_agent_metadata())
+    local_buf, local_descs = _blocks(0)
+    _, remote_descs = _blocks(7)
+    local = d.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, "DRAM")
+    remote = d.prep_xfer_dlist(b"prefill", remote_descs, "DRAM")
+    FakeNixlWrapper.polls_until_done = 2
+    in_flight = d.make_prepped_xfer("READ", local, [0], remote, [0], b"in-flight")
+    d.transfer(in_flight)
+    FakeNixlWrapper.disconnecting_transfers = 1
+    FakeNixlWrapper.polls_until_done = 1
+    h = d.make_prepped_xfer("READ", local, [1], remote, [1], b"req-1")
+    d.transfer(h)
+    assert d.check_xfer_state(h) == "ERR" and FakeNixlWrapper.failed == 1
+    assert bytes(local_buf) == bytes(256) and p.get_new_notifs() == {}
+    assert not d.check_remote_metadata("prefill")
+    assert d.check_xfer_state(in_flight) == "ERR"
+    again = d.make_prepped_xfer("READ", local, [2], remote, [2], b"req-2")
+    with pytest.raises(RuntimeError, match="NIXL_ERR_NOT_FOUND"):
+        d.transfer(again)
+    d.add_remote_agent(p.get_agent_metadata())
+    h = d.make_prepped_xfer("READ", local, [3], remote, [3], b"req-3")
+    d.transfer(h)
+    assert d.check_xfer_state(h) == "DONE" and bytes(local_buf[192:]) == bytes([7] * 64)
+
+
+def test_a_removed_remote_agent_takes_no_transfer(agents):
+    """remove_remote_agent drops the metadata the same way: a transfer towards the agent raises on post."""
+    d, p = agents
+    d.add_remote_agent(p.get_agent_metadata())
+    _, descs = _blocks(0)
+    local = d.prep_xfer_dlist("NIXL_INIT_AGENT", descs, "DRAM")
+    remote = d.prep_xfer_dlist(b"prefill", descs, "DRAM")
+    d.remove_remote_agent(b"prefill")
+    h = d.make_prepped_xfer("READ", local, [0], remote, [0], b"")
+    with pytest.raises(RuntimeError, match="NIXL_ERR_NOT_FOUND"):
+        d.transfer(h)
+
+
 def test_slow_transfers_take_more_polls(agents):
     d, _ = agents
     FakeNixlWrapper.polls_until_done = 3

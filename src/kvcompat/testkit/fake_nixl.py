@@ -9,7 +9,16 @@ the real library and is the reference for these behaviours):
 * ``transfer(handle)`` returns ``"PROC"``; the transfer is ``"DONE"`` the next
   time ``check_xfer_state(handle)`` polls it (``"PROC"`` is never final);
 * ``prep_xfer_dlist`` / ``make_prepped_xfer`` / ``get_reg_descs`` /
-  ``get_xfer_descs`` return opaque handles; releasing an unknown handle raises.
+  ``get_xfer_descs`` return opaque handles; releasing an unknown handle raises;
+* a remote agent whose metadata this agent dropped (``remove_remote_agent``, or a
+  transfer that ended in a remote disconnect) is *invalidated* until it is added
+  again: posting a transfer towards it raises (NIXL_ERR_NOT_FOUND) and a transfer
+  to it still in progress ends in ``"ERR"``, as NIXL's ``nixlAgent::postXferReq``
+  and ``getXferStatus`` check ``remoteSections`` for the remote agent
+  (src/core/nixl_agent.cpp); a transfer whose backend reports
+  NIXL_ERR_REMOTE_DISCONNECT makes ``getXferStatus`` call
+  ``invalidateRemoteData(remoteAgent)`` (same file; "AGENT: cleanup metadata on
+  failure", ai-dynamo/nixl#509), so ``check_remote_metadata`` answers False after it.
 
 Agents of one process reach each other by name, as agents on one host do over
 UCX: a prepped READ (WRITE) copies the bytes of the remote (local) descriptors
@@ -115,6 +124,7 @@ class _AgentsAndMemory(_Recorder):
 
     registered: list[FakeDescList]
     remote_agents: dict[str, bytes]
+    invalidated: set[str]
     backends: list[str]
 
     # -- backends / plugins -------------------------------------------------
@@ -162,11 +172,17 @@ class _AgentsAndMemory(_Recorder):
         md = bytes(metadata)
         name = md.split(b":", 1)[1] if md.startswith(b"fake-nixl-md:") else md
         self.remote_agents[name.decode(errors="replace")] = md
+        self.invalidated.discard(name.decode(errors="replace"))
         return name  # bytes, like real NIXL
 
     def remove_remote_agent(self, agent: str | bytes) -> None:
         self._record("remove_remote_agent", (agent,), {})
+        self._invalidate(agent)
+
+    def _invalidate(self, agent: str | bytes) -> None:
+        """Drop a remote agent's metadata (NIXL's invalidateRemoteData): transfers towards it now fail."""
         self.remote_agents.pop(_agent_key(agent), None)
+        self.invalidated.add(_agent_key(agent))
 
     def check_remote_metadata(self, agent: str | bytes, *args: Any, **kwargs: Any) -> bool:
         self._record("check_remote_metadata", (agent,) + args, kwargs)
@@ -177,6 +193,7 @@ class _Transfers(_Recorder):
     """Prepped descriptor lists and transfers: their handles, their states, the bytes they copy."""
 
     polls_until_done: ClassVar[int]
+    invalidated: set[str]
     _handles: itertools.count[int]
     _dlists: dict[int, tuple[str, FakeDescList]]
     _xfers: dict[int, _Xfer]
@@ -243,12 +260,19 @@ class _Transfers(_Recorder):
     def transfer(self, handle: int, notif_msg: bytes = b"") -> str:
         self._record("transfer", (handle, notif_msg), {})
         x = self._xfers[handle]
+        if self._remote_name(x) in self.invalidated:  # nixlAgent::postXferReq checks remoteSections first
+            raise RuntimeError(f"NIXL_ERR_NOT_FOUND: remote agent {self._remote_name(x)!r} was invalidated")
         x.state = "PROC"
         return "PROC"
+
+    def _remote_name(self, x: _Xfer) -> str:
+        return self._dlists.get(x.remote, ("", None))[0]
 
     def check_xfer_state(self, handle: int) -> str:
         self._record("check_xfer_state", (handle,), {})
         x = self._xfers[handle]
+        if x.state == "PROC" and self._remote_name(x) in self.invalidated:
+            x.state = "ERR"  # nixlAgent::getXferStatus: the remote was invalidated during the transfer
         if x.state == "PROC":
             # Completes when polled, never inside transfer(); with
             # polls_until_done > 1 the first polls still see "PROC".
@@ -257,8 +281,12 @@ class _Transfers(_Recorder):
                 with FakeNixlWrapper._lock:
                     failing = FakeNixlWrapper.failing_transfers > 0
                     FakeNixlWrapper.failing_transfers -= failing
-                    FakeNixlWrapper.failed += failing
-                if failing:  # what a backend reports for a transfer that broke: no bytes, no notification
+                    cut = not failing and FakeNixlWrapper.disconnecting_transfers > 0
+                    FakeNixlWrapper.disconnecting_transfers -= cut
+                    FakeNixlWrapper.failed += failing or cut
+                if cut:  # NIXL_ERR_REMOTE_DISCONNECT: getXferStatus invalidates the remote agent's metadata
+                    self._invalidate(self._remote_name(x))
+                if failing or cut:  # what a backend reports for a transfer that broke: no bytes, no notification
                     x.state = "ERR"
                 else:
                     x.state = "DONE"
@@ -331,6 +359,9 @@ class FakeNixlWrapper(_AgentsAndMemory, _Transfers, _Notifications):
     instances: ClassVar[list[FakeNixlWrapper]] = []
     polls_until_done: ClassVar[int] = 1
     failing_transfers: ClassVar[int] = 0  # the next N transfers to complete end in "ERR" instead
+    # the next N transfers to complete end in "ERR" as a remote disconnect (NIXL_ERR_REMOTE_DISCONNECT):
+    # the initiating agent also drops the target agent's metadata (nixlAgent::getXferStatus)
+    disconnecting_transfers: ClassVar[int] = 0
     failed: ClassVar[int] = 0  # transfers that ended in "ERR"
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -340,6 +371,7 @@ class FakeNixlWrapper(_AgentsAndMemory, _Transfers, _Notifications):
         self.calls: list[RecordedCall] = []
         self.registered: list[FakeDescList] = []
         self.remote_agents: dict[str, bytes] = {}
+        self.invalidated: set[str] = set()  # remote agents whose metadata was dropped, until added again
         self.backends: list[str] = ["UCX"]
         self._handles = itertools.count(1)
         self._dlists: dict[int, tuple[str, FakeDescList]] = {}
@@ -353,7 +385,7 @@ class FakeNixlWrapper(_AgentsAndMemory, _Transfers, _Notifications):
     def reset(cls) -> None:
         with cls._lock:
             cls.instances.clear()
-            cls.failing_transfers = cls.failed = 0
+            cls.failing_transfers = cls.disconnecting_transfers = cls.failed = 0
 
     @classmethod
     def named(cls, name: str | bytes) -> FakeNixlWrapper | None:

@@ -1,0 +1,430 @@
+"""The decode side's Nixl worker and its prefill peers: a peer whose NIXL metadata broke is dropped and
+handshaken again, a read that errors anywhere is finished without leaking a transfer handle, and
+``engine_ttl`` forgets idle peers (all their state) but never a peer being read or one just used.
+
+Engines are the release's Scheduler with MultiConnector(Nixl + CPU offload) and its worker half, moving real
+bytes over the fake NIXL transport (kvcompat.testkit.fake_nixl); faults are the transport's (a disconnect
+the fake models as NIXL does, or a call of the agent made to raise).  Every scenario ends with every
+engine back at its idle baseline (:func:`conftest.assert_no_leak`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit import not_applicable, setup_owned_by
+from kvcompat.testkit.fake_nixl import _agent_key
+
+from conftest import (
+    BLOCK,
+    HANDSHAKE,
+    PREFILLED,
+    assert_no_leak,
+    patient_steps,
+    token_ids,
+)
+
+NEVER = 10**9  # polls before a fake NIXL read completes: it stays in flight until the test lowers it
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+def _nixl_source() -> str:
+    """The release's Nixl worker modules' source (for explicit probes of a feature)."""
+    return "".join(
+        inspect.getsource(importlib.import_module(m))
+        for m in (va.nixl_module(), va.nixl_wrapper_target()[0])
+        if importlib.util.find_spec(m) is not None
+    )
+
+
+def _needs(feature: str, what: str) -> None:
+    if feature not in _nixl_source():
+        not_applicable(f"this release's Nixl worker has no {what}")
+
+
+def _worker(engine):
+    """Rank 0's worker-role Nixl child's worker (what reads over NIXL on D)."""
+    return engine.worker._connectors[engine.nixl_index].connector_worker
+
+
+def _agent(engine):
+    return _worker(engine).nixl_wrapper
+
+
+def _prefill_engine(make_engine, engine_id: str, **kwargs):
+    """A prefill engine that serves the Nixl handshake, as make_pd builds P."""
+    p = make_engine(engine_id=engine_id, **kwargs)
+    with setup_owned_by(HANDSHAKE):
+        va.serve_nixl_handshake(p.multi, p.worker)
+    p.baseline = p.idle_state()
+    return p
+
+
+def _handshakes_with(d, p) -> int:
+    """Times D's NIXL agent added P's agent (one per handshake)."""
+    name = _agent(p).name.encode()
+    return sum(1 for c in _agent(d).calls_named("add_remote_agent") if bytes(c.args[0]).endswith(b":" + name))
+
+
+def _removed(d, p) -> int:
+    """Times D's NIXL agent was asked to drop P's agent."""
+    name = _agent(p).name
+    return sum(1 for c in _agent(d).calls_named("remove_remote_agent") if _agent_key(c.args[0]) == name)
+
+
+def _reads(d) -> int:
+    return len(_agent(d).calls_named("make_prepped_xfer"))
+
+
+def _open_handles(d) -> int:
+    return len(_agent(d)._xfers)
+
+
+def _step(engines, until, max_steps: int = 400) -> bool:
+    """Step every engine (D first) until ``until()`` holds."""
+    for _ in patient_steps(max_steps):
+        if until():
+            return True
+        for e in engines:
+            e.step()
+    return until()
+
+
+def _waiting(req) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def _ended_as_the_policy_says(req) -> bool:
+    """A request whose load failed ends recomputed to its length, or as FINISHED_ERROR where the release's
+    kv_load_failure_policy is "fail"."""
+    from vllm.v1.request import RequestStatus
+
+    return req.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ERROR)
+
+
+def _add(d, rid: str, prompt: list[int], params: dict):
+    req = va.make_request(rid, prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    return req
+
+
+def _read_and_check(p, d, rid: str, prompt: list[int], params: dict | None = None, others=()) -> None:
+    """D reads ``rid`` from P over NIXL (P prefills it first unless ``params`` are given): D waits for the
+    remote KV, its blocks then hold exactly P's KV, D computes at most one prompt token, the request finishes
+    and P frees its blocks.  ``others``: more engines to keep stepping."""
+    if params is None:
+        with setup_owned_by(PREFILLED):
+            params = p.prefill(rid, prompt)
+    reads = _reads(d)
+    req = _add(d, rid, prompt, params)
+    d.step()
+    assert _waiting(req), f"D did not wait for {rid}'s KV from {p.kv_transfer_name()}: {req.status}"
+    d_blocks = va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids(rid))
+    assert _step([d, p, *others], lambda: not _waiting(req)), f"D's read of {rid} never finished"
+    assert _reads(d) > reads, f"D did not read {rid} over NIXL from {p.kv_transfer_name()}"
+    assert req.num_computed_tokens >= len(prompt) - 1, (
+        f"D counts {req.num_computed_tokens} of {len(prompt)} prompt tokens of {rid} as loaded: the read failed"
+    )
+    for layer, cache in d.ranks[0].kv_caches.items():
+        for j, block_id in enumerate(d_blocks[: len(prompt) // BLOCK]):
+            want = va.expected_block(cache, layer, prompt[: (j + 1) * BLOCK])
+            assert va.same_bytes(va.kv_cache_block(cache, block_id), want), (
+                f"D's block {block_id} (prompt block {j} of {rid}, {layer}) does not hold the KV "
+                f"{p.kv_transfer_name()} computed"
+            )
+    d.run([rid])
+    assert _step([d, p, *others], lambda: rid not in p.scheduler.requests), f"P kept {rid}'s blocks after the read"
+
+
+def _nixl_stats_count(key: str) -> bool:
+    """Probe: whether the release's NixlKVConnectorStats counts ``key``."""
+    for name in ("nixl.stats", "nixl_connector", "nixl.connector"):
+        try:
+            module = importlib.import_module(f"vllm.distributed.kv_transfer.kv_connector.v1.{name}")
+        except ImportError:
+            continue
+        stats = getattr(module, "NixlKVConnectorStats", None)
+        if stats is not None:
+            return key in (stats().data or {})
+    return False
+
+
+def _nixl_counted(kv_outputs: list, key: str) -> int:
+    counted = 0
+    for o in kv_outputs:
+        stats = getattr(o, "kv_connector_stats", None) if o else None
+        for child in (getattr(stats, "data", None) or {}).values():
+            counted += len((getattr(child, "data", None) or {}).get(key, []))
+    return counted
+
+
+def _mentions(value, engine_id: str, depth: int = 0) -> bool:
+    if value == engine_id:
+        return True
+    if depth > 2:
+        return False
+    if isinstance(value, dict):
+        return any(_mentions(k, engine_id, depth + 1) or _mentions(v, engine_id, depth + 1) for k, v in value.items())
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return any(_mentions(v, engine_id, depth + 1) for v in value)
+    return False
+
+
+# What the release keeps about a peer on purpose after releasing it: the backoff history of peers whose
+# metadata broke (nixl/base_worker.py _mark_remote_engine_invalid) and the registration generation last seen.
+_KEPT_ON_PURPOSE = {"_invalid_engine_backoff", "_remote_registration_generations"}
+
+
+def _state_about(d, engine_id: str) -> list[str]:
+    """Containers of D's Nixl worker (and of its transfer topology) that still mention ``engine_id``."""
+    w = _worker(d)
+    found = [
+        n
+        for n, v in vars(w).items()
+        if n not in _KEPT_ON_PURPOSE and isinstance(v, (dict, set, list, tuple)) and _mentions(v, engine_id)
+    ]
+    topo = getattr(w, "transfer_topo", None)
+    for n, v in vars(topo or object()).items():
+        if isinstance(v, dict) and _mentions(v, engine_id):
+            found.append(f"transfer_topo.{n}")
+    return found
+
+
+# ---------------------------------------------------------------------------
+# 1. a prefill whose NIXL metadata broke
+# ---------------------------------------------------------------------------
+def test_a_prefill_whose_nixl_metadata_broke_is_released_and_read_again_after_one_failed_read(
+    make_pd, nixl_agent, monkeypatch
+):
+    """D's read from P breaks with a remote disconnect, after which D's NIXL agent no longer holds P's
+    metadata (NIXL invalidates it).  The user expects D to notice on that failure, drop P's connection and
+    handshake again: the very next request to P, sent right after, is read over NIXL (KV byte-exact, not
+    recomputed), D removed P's agent once and handshook a second time, Nixl's stats count one failed
+    transfer, the failed request finishes (recomputed, or ended as the release's load-failure policy
+    says), and nothing leaks."""
+    _needs("check_remote_metadata", "check of a failed peer's local NIXL metadata")
+    lease_s = 2
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
+    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    prompt = token_ids(3 * BLOCK + 5, start=1700)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("broken-md", prompt)
+    nixl_agent.disconnecting_transfers = 1
+    req = _add(d, "broken-md", prompt, params)
+    assert _step([d, p], lambda: nixl_agent.failed == 1), "the fake transport cut no read: no scenario"
+    assert not _agent(d).check_remote_metadata(_agent(p).name), "the disconnect left P's metadata in D's agent"
+    # The next request reaches D in its very next step, while nothing else has stepped D.
+    handshakes = _handshakes_with(d, p)
+    prompt2 = token_ids(2 * BLOCK + 3, start=1800)
+    with setup_owned_by(PREFILLED):
+        params2 = p.prefill("after-broken-md", prompt2)
+    _read_and_check(p, d, "after-broken-md", prompt2, params2)
+    assert _handshakes_with(d, p) == handshakes + 1, (
+        f"D handshook {_handshakes_with(d, p) - handshakes} times with P after its metadata broke; want 1"
+    )
+    assert _removed(d, p) == 1, f"D dropped P's NIXL agent {_removed(d, p)} times after one broken read; want 1"
+    assert _step([d, p], lambda: req.is_finished()), f"D's request whose read broke never finished ({req.status})"
+    assert _ended_as_the_policy_says(req), f"the request whose read broke ended {req.status}"
+    if _nixl_stats_count("num_failed_transfers"):
+        counted = _nixl_counted(d.kv_outputs, "num_failed_transfers")
+        assert counted == 1, f"D's Nixl stats count {counted} failed transfers for the one read that broke"
+    assert _step([d, p], lambda: "broken-md" not in p.scheduler.requests), "P kept the blocks of the broken read"
+    assert _open_handles(d) == 0, f"{_open_handles(d)} NIXL transfer handles left open on D"
+    assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 2. a read that errors anywhere
+# ---------------------------------------------------------------------------
+class _Faults:
+    """Calls of the NIXL agent made to fail (class-wide: only D's agent makes and releases transfers):
+    ``posts`` next transfer() calls raise before posting, ``polls`` next check_xfer_state() calls raise,
+    ``releases`` next release_xfer_handle() calls raise and keep the handle.  ``released``: handles released."""
+
+    def __init__(self, monkeypatch, cls):
+        self.posts = self.polls = self.releases = 0
+        self.released: list[int] = []
+        self.unknown: list[int] = []  # releases of a handle no longer known (already released)
+        faults, real = self, (cls.transfer, cls.check_xfer_state, cls.release_xfer_handle)
+
+        def transfer(agent, handle, notif_msg=b""):
+            if faults.posts:
+                faults.posts -= 1
+                raise RuntimeError("NIXL_ERR_BACKEND: the transfer could not be posted (injected)")
+            return real[0](agent, handle, notif_msg)
+
+        def check_xfer_state(agent, handle):
+            if faults.polls:
+                faults.polls -= 1
+                raise RuntimeError("the transfer's state could not be read (injected)")
+            return real[1](agent, handle)
+
+        def release_xfer_handle(agent, handle):
+            if handle not in agent._xfers:
+                faults.unknown.append(handle)
+            elif faults.releases:
+                faults.releases -= 1
+                raise RuntimeError("NIXL_ERR_REPOST_ACTIVE: the backend could not release the request (injected)")
+            real[2](agent, handle)
+            faults.released.append(handle)
+
+        monkeypatch.setattr(cls, "transfer", transfer)
+        monkeypatch.setattr(cls, "check_xfer_state", check_xfer_state)
+        monkeypatch.setattr(cls, "release_xfer_handle", release_xfer_handle)
+
+
+def test_a_nixl_read_that_errors_anywhere_finishes_the_request_and_releases_every_handle(
+    make_pd, nixl_agent, monkeypatch
+):
+    """Whatever call of a NIXL read fails (posting it, polling its state, or releasing its handle after it
+    failed), the user expects the request to finish (recomputed, or ended as the release's load-failure
+    policy says), P to free its blocks, and D's NIXL agent to be left with no transfer handle: each released
+    exactly once, never forgotten while NIXL may still write (a handle whose release failed keeps its request
+    waiting until it is released) and never released twice; nothing leaks.  (NIXL's releaseXferReq fails only
+    while the backend cannot cancel a transfer in progress; vLLM retains any handle whose release failed,
+    "a status error does not guarantee that the backend stopped DMA", and that is what is held here.)"""
+    _needs("_try_release_xfer_handle", "retention of a transfer handle whose release failed")
+    lease_s = 2
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
+    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    faults = _Faults(monkeypatch, nixl_agent)
+    cases = [  # (case, posts, polls, releases, ends in ERR, held in flight)
+        ("the post fails", 1, 0, 0, False, False),
+        ("a poll fails", 0, 1, 0, False, False),
+        ("a poll fails while the read is in flight and its release fails", 0, 1, 1, False, True),
+        ("the read ends in ERR and its release fails", 0, 0, 1, True, False),
+        ("the post fails and its release fails", 1, 0, 1, False, False),
+    ]
+    for n, (case, posts, polls, releases, err, held) in enumerate(cases):
+        rid = f"faulty-read-{n}"
+        prompt = token_ids(2 * BLOCK + 3, start=2000 + 40 * n)
+        with setup_owned_by(PREFILLED):
+            params = p.prefill(rid, prompt)
+        faults.posts, faults.polls, faults.releases = posts, polls, releases
+        nixl_agent.failing_transfers = int(err)
+        nixl_agent.polls_until_done = NEVER if held else 1
+        req = _add(d, rid, prompt, params)
+        if held:
+            assert _step([d, p], lambda: faults.releases == 0, max_steps=50), f"{case}: the release was never tried"
+            for _ in range(5):
+                d.step()
+                assert _waiting(req), (
+                    f"{case}: D gave up the request ({req.status}) while NIXL still holds its in-flight read"
+                )
+            assert _open_handles(d) == 1, f"{case}: D forgot the handle whose release failed"
+            nixl_agent.polls_until_done = 1
+        assert _step([d, p], lambda: req.is_finished()), f"{case}: D's request never finished ({req.status})"
+        assert (faults.posts, faults.polls, faults.releases) == (0, 0, 0), f"{case}: not every fault was hit"
+        assert _ended_as_the_policy_says(req), f"{case}: the request ended {req.status}"
+        assert not faults.unknown, f"{case}: D released transfer handles {faults.unknown} that were already released"
+        assert _open_handles(d) == 0, f"{case}: {_open_handles(d)} NIXL transfer handles left open on D"
+        assert len(faults.released) == len(set(faults.released)), f"{case}: a handle was released twice"
+        assert _step([d, p], lambda: rid not in p.scheduler.requests), f"{case}: P kept the blocks"
+    assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 3. engine_ttl
+# ---------------------------------------------------------------------------
+def _sleep_until(t: float, engines) -> None:
+    """Let wall time pass until ``t``, stepping the engines as idle engines do."""
+    while time.perf_counter() < t:
+        for e in engines:
+            e.step()
+        time.sleep(0.05)
+
+
+def test_engine_ttl_forgets_an_idle_prefill_with_all_its_state_and_keeps_the_recent_ones(make_engine, nixl_agent):
+    """D with engine_ttl=4 s reads from P1, then from P2 while P1 was used moments ago: P1 stays connected.
+    Once P1 has been idle past the TTL, D's next handshake (with P3) forgets it: D's NIXL agent drops P1's
+    agent and no per-engine state of D's Nixl worker mentions P1 any more (memory stays bounded however
+    many prefills come and go), while P2, used within the TTL, stays connected: its next request is read
+    without a new handshake.  P1's next request handshakes again and is read; nothing leaks."""
+    _needs("engine_ttl", "engine_ttl")
+    ttl = 4.0
+    p1 = _prefill_engine(make_engine, "kvcompat-prefill-1")
+    p2 = _prefill_engine(make_engine, "kvcompat-prefill-2")
+    p3 = _prefill_engine(make_engine, "kvcompat-prefill-3")
+    d = make_engine(engine_id="kvcompat-decode", nixl_extra_config={"engine_ttl": ttl})
+    everyone = [d, p1, p2, p3]
+    t0 = time.perf_counter()
+    _read_and_check(p1, d, "ttl-p1-a", token_ids(2 * BLOCK + 3, start=2300), others=[p2, p3])
+    _sleep_until(t0 + ttl / 2, everyone)
+    _read_and_check(p2, d, "ttl-p2-a", token_ids(2 * BLOCK + 3, start=2350), others=[p1, p3])
+    assert _removed(d, p1) == 0, f"D forgot P1 when it handshook P2, {time.perf_counter() - t0:.1f}s after using P1"
+    _sleep_until(t0 + ttl + 0.3, everyone)
+    _read_and_check(p3, d, "ttl-p3-a", token_ids(2 * BLOCK + 3, start=2400), others=[p1, p2])
+    assert _removed(d, p1) == 1, "D did not forget P1, idle past its engine_ttl, when it handshook P3"
+    left = _state_about(d, p1.kv_transfer_name())
+    assert not left, f"D's Nixl worker still holds state about the forgotten P1 in {left}"
+    handshakes = _handshakes_with(d, p2)
+    _read_and_check(p2, d, "ttl-p2-b", token_ids(2 * BLOCK + 3, start=2450), others=[p1, p3])
+    assert _handshakes_with(d, p2) == handshakes and _removed(d, p2) == 0, (
+        "D dropped P2, used within its engine_ttl, when it forgot P1"
+    )
+    handshakes = _handshakes_with(d, p1)
+    _read_and_check(p1, d, "ttl-p1-b", token_ids(2 * BLOCK + 3, start=2500), others=[p2, p3])
+    assert _handshakes_with(d, p1) == handshakes + 1, "D read from the forgotten P1 without handshaking again"
+    assert_no_leak(*everyone)
+
+
+def test_engine_ttl_never_forgets_a_prefill_whose_read_is_in_flight(make_engine, nixl_agent):
+    """D with engine_ttl=1 s reads from P1, and the read stays in flight for longer than the TTL (a slow
+    link).  When D handshakes P2 meanwhile, P1 is not forgotten: the read completes byte-exact.  Once P1
+    has been idle past the TTL, D's next handshake (with P3) forgets it; nothing leaks."""
+    _needs("engine_ttl", "engine_ttl")
+    p1 = _prefill_engine(make_engine, "kvcompat-prefill-1")
+    p2 = _prefill_engine(make_engine, "kvcompat-prefill-2")
+    p3 = _prefill_engine(make_engine, "kvcompat-prefill-3")
+    d = make_engine(engine_id="kvcompat-decode", nixl_extra_config={"engine_ttl": 1})
+    everyone = [d, p1, p2, p3]
+    prompt = token_ids(3 * BLOCK + 5, start=2600)
+    with setup_owned_by(PREFILLED):
+        params = p1.prefill("slow-read", prompt)
+    nixl_agent.polls_until_done = NEVER
+    req = _add(d, "slow-read", prompt, params)
+    assert _step(everyone, lambda: _reads(d) > 0, max_steps=50), "D never started the read from P1"
+    _sleep_until(time.perf_counter() + 1.5, everyone)
+    prompt2 = token_ids(2 * BLOCK + 3, start=2650)
+    with setup_owned_by(PREFILLED):
+        params2 = p2.prefill("while-slow-read", prompt2)
+    req2 = _add(d, "while-slow-read", prompt2, params2)
+    assert _step(everyone, lambda: _handshakes_with(d, p2) == 1), "D never handshook P2"
+    for _ in range(3):
+        for e in everyone:
+            e.step()
+    assert _removed(d, p1) == 0, "D forgot P1 while its read from P1 was in flight"
+    assert _waiting(req), f"D's read from P1 ended ({req.status}) before the transport completed it"
+    nixl_agent.polls_until_done = 1
+    assert _step(everyone, lambda: not _waiting(req)), "D's read from P1 never finished"
+    assert req.num_computed_tokens >= len(prompt) - 1, "D's slow read from P1 failed"
+    d.run(["slow-read", "while-slow-read"])
+    assert req2.num_output_tokens == 2
+    _sleep_until(time.perf_counter() + 1.5, everyone)
+    _read_and_check(p3, d, "after-slow-read", token_ids(2 * BLOCK + 3, start=2700), others=[p1, p2])
+    assert _removed(d, p1) == 1, "D did not forget P1, idle past engine_ttl=1s, when it handshook P3"
+    assert_no_leak(*everyone)
+
+
+def test_engine_ttl_zero_keeps_every_prefill_connected(make_engine, nixl_agent):
+    """engine_ttl=0 turns eviction off: D reads from P1, P1 stays idle for 1.5 s, D handshakes P2; P1 is
+    still connected, its next request is read without a new handshake; nothing leaks."""
+    _needs("engine_ttl", "engine_ttl")
+    p1 = _prefill_engine(make_engine, "kvcompat-prefill-1")
+    p2 = _prefill_engine(make_engine, "kvcompat-prefill-2")
+    d = make_engine(engine_id="kvcompat-decode", nixl_extra_config={"engine_ttl": 0})
+    everyone = [d, p1, p2]
+    _read_and_check(p1, d, "ttl0-p1-a", token_ids(2 * BLOCK + 3, start=2800), others=[p2])
+    _sleep_until(time.perf_counter() + 1.5, everyone)
+    _read_and_check(p2, d, "ttl0-p2", token_ids(2 * BLOCK + 3, start=2850), others=[p1])
+    assert _removed(d, p1) == 0, "D forgot P1 with engine_ttl=0 (eviction off)"
+    _read_and_check(p1, d, "ttl0-p1-b", token_ids(2 * BLOCK + 3, start=2900), others=[p2])
+    assert _handshakes_with(d, p1) == 1, f"D handshook P1 {_handshakes_with(d, p1)} times with eviction off"
+    assert_no_leak(*everyone)
