@@ -320,13 +320,13 @@ def test_a_nixl_read_that_errors_anywhere_finishes_the_request_and_releases_ever
                 )
             assert _open_handles(d) == 1, f"{case}: D forgot the handle whose release failed"
             nixl_agent.polls_until_done = 1
-        assert _step([d, p], lambda: req.is_finished()), f"{case}: D's request never finished ({req.status})"
+        assert _step([d, p], lambda req=req: req.is_finished()), f"{case}: D's request never finished ({req.status})"
         assert (faults.posts, faults.polls, faults.releases) == (0, 0, 0), f"{case}: not every fault was hit"
         assert _ended_as_the_policy_says(req), f"{case}: the request ended {req.status}"
         assert not faults.unknown, f"{case}: D released transfer handles {faults.unknown} that were already released"
         assert _open_handles(d) == 0, f"{case}: {_open_handles(d)} NIXL transfer handles left open on D"
         assert len(faults.released) == len(set(faults.released)), f"{case}: a handle was released twice"
-        assert _step([d, p], lambda: rid not in p.scheduler.requests), f"{case}: P kept the blocks"
+        assert _step([d, p], lambda rid=rid: rid not in p.scheduler.requests), f"{case}: P kept the blocks"
     assert_no_leak(p, d)
 
 
