@@ -373,8 +373,13 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
     nixl_agent.failing_transfers = 1
     req = va.make_request("failed-read", prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
-    d.step()
-    d_blocks = set(va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids("failed-read")))
+
+    def allocated() -> set[int]:
+        return set(va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids("failed-read")))
+
+    # The blocks D gives the read: taken when they are allocated, which a loaded machine may delay a step or two
+    assert _step_both(p, d, lambda: bool(allocated()) or nixl_agent.failed > 0), "D never allocated the request"
+    d_blocks = allocated()
     assert _step_both(p, d, lambda: nixl_agent.failed == 1), "the fake transport failed no read: no scenario"
     for _ in range(3):
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
