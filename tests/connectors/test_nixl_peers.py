@@ -16,7 +16,7 @@ import time
 
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable, setup_owned_by
-from kvcompat.testkit.fake_nixl import _agent_key
+from kvcompat.testkit.fake_nixl import FakeNixlAgentConfig, _agent_key
 
 from conftest import (
     BLOCK,
@@ -429,3 +429,62 @@ def test_engine_ttl_zero_keeps_every_prefill_connected(make_engine, nixl_agent):
     _read_and_check(p1, d, "ttl0-p1-b", token_ids(2 * BLOCK + 3, start=2900), others=[p2])
     assert _handshakes_with(d, p1) == 1, f"D handshook P1 {_handshakes_with(d, p1)} times with eviction off"
     assert_no_leak(*everyone)
+
+
+# ---------------------------------------------------------------------------
+# 4. the NIXL agent's backend settings
+# ---------------------------------------------------------------------------
+def _with_nixl_agent_config(monkeypatch) -> None:
+    """NIXL's ``nixl_agent_config`` where the release's Nixl worker looks it up: the fake's stand-in (its
+    signature and defaults, kvcompat.testkit.fake_nixl.FakeNixlAgentConfig).  These cells have no nixl package,
+    so the release sees None there (and builds its agent without a config), which no deployment has: vLLM's
+    Nixl worker requires NIXL >= 1.5, whose nixl._api exports it."""
+    module = importlib.import_module(va.nixl_wrapper_target()[0])
+    if not hasattr(module, "nixl_agent_config"):
+        not_applicable("this release's Nixl worker builds its NIXL agent without an nixl_agent_config")
+    monkeypatch.setattr(module, "nixl_agent_config", FakeNixlAgentConfig)
+
+
+def _backends(engine) -> dict[str, dict[str, str]]:
+    """The backends rank 0's NIXL agent has, each with the init parameters it was created with."""
+    agent = _agent(engine)
+    assert len(agent.backends) == len(agent.backend_params), f"backends {agent.backends}"
+    return dict(agent.backend_params)
+
+
+def test_the_nixl_agent_gets_the_users_num_threads_and_one_ucx_backend(make_engine, make_pd, nixl_agent, monkeypatch):
+    """A user who sets ``num_threads`` (to bound UCX's threads, and so the NIC's UAR pages) expects each
+    engine's NIXL agent to have exactly one UCX backend, created with that many threads, with telemetry
+    captured for Nixl's transfer stats; a P/D pair built so reads byte-exact and leaks nothing.  Without
+    any nixl_agent_config (these cells' NIXL-less import) the agent keeps its one default UCX backend:
+    vLLM creates no second one."""
+    _needs("num_threads", "num_threads setting")
+    bare = make_engine(engine_id="kvcompat-no-agent-config")
+    assert _backends(bare) == {"UCX": {}}, f"an agent built without a config has backends {_backends(bare)}"
+    assert not _agent(bare).calls_named("create_backend"), "vLLM created a backend next to the agent's own UCX"
+    assert_no_leak(bare)
+    _with_nixl_agent_config(monkeypatch)
+    p, d = make_pd(nixl_extra_config={"num_threads": 2})
+    for name, e in (("P", p), ("D", d)):
+        assert _backends(e) == {"UCX": {"num_threads": "2"}}, (
+            f"{name}'s NIXL agent has backends {_backends(e)}; want one UCX backend with the user's num_threads=2"
+        )
+        assert _agent(e).config.capture_telemetry, f"{name}'s NIXL agent does not capture transfer telemetry"
+    _read_and_check(p, d, "num-threads", token_ids(2 * BLOCK + 3, start=3000))
+    assert_no_leak(p, d)
+
+
+def test_the_users_ucx_backend_params_reach_the_one_ucx_backend(make_pd, nixl_agent, monkeypatch):
+    """A user who passes ``ucx_backend_params`` (e.g. ucx_error_handling_mode=none) with ``num_threads``
+    expects each engine's NIXL agent to have exactly one UCX backend, created with both (values as strings,
+    as NIXL takes them) and nothing else; the pair reads byte-exact and leaks nothing."""
+    _needs("ucx_backend_params", "ucx_backend_params setting")
+    _with_nixl_agent_config(monkeypatch)
+    p, d = make_pd(nixl_extra_config={"num_threads": 2, "ucx_backend_params": {"ucx_error_handling_mode": "none"}})
+    want = {"UCX": {"num_threads": "2", "ucx_error_handling_mode": "none"}}
+    for name, e in (("P", p), ("D", d)):
+        assert _backends(e) == want, f"{name}'s NIXL agent has backends {_backends(e)}; want {want}"
+        assert _agent(e).config.capture_telemetry, f"{name}'s NIXL agent does not capture transfer telemetry"
+    _read_and_check(p, d, "ucx-params", token_ids(2 * BLOCK + 3, start=3050))
+    assert_no_leak(p, d)
+
