@@ -488,3 +488,90 @@ def test_the_users_ucx_backend_params_reach_the_one_ucx_backend(make_pd, nixl_ag
     _read_and_check(p, d, "ucx-params", token_ids(2 * BLOCK + 3, start=3050))
     assert_no_leak(p, d)
 
+
+# ---------------------------------------------------------------------------
+# 5. a prefill whose NIXL metadata breaks again soon: backoff
+# ---------------------------------------------------------------------------
+class _Backoff:
+    """D and P (kv_lease_duration 2 s) and what the backoff scenario does with them: a read that breaks
+    with a remote disconnect, a request that must be refused, a request that must be read."""
+
+    def __init__(self, p, d, nixl_agent) -> None:
+        self.p, self.d, self.nixl_agent = p, d, nixl_agent
+        self.n = 0
+
+    def _prefilled(self, what: str) -> tuple[str, list[int], dict]:
+        self.n += 1
+        rid, prompt = f"backoff-{self.n}-{what}", token_ids(2 * BLOCK + 3, start=3100 + 40 * self.n)
+        with setup_owned_by(PREFILLED):
+            return rid, prompt, self.p.prefill(rid, prompt)
+
+    def broken_read(self) -> float:
+        """D reads from P and the read breaks with a remote disconnect (D's agent drops P's metadata); the
+        time D has seen it fail by (D marks P invalid in the step that sees the failure)."""
+        rid, prompt, params = self._prefilled("broken")
+        failed = self.nixl_agent.failed
+        self.nixl_agent.disconnecting_transfers = 1
+        req = _add(self.d, rid, prompt, params)
+        assert _step([self.d], lambda: self.nixl_agent.failed > failed), f"the fake transport did not cut {rid}'s read"
+        seen = time.perf_counter()
+        assert _step([self.d, self.p], lambda: req.is_finished()), f"{rid}, whose read broke, never finished"
+        assert _ended_as_the_policy_says(req), f"{rid}, whose read broke, ended {req.status}"
+        return seen
+
+    def refused(self, why: str) -> None:
+        """A request to P sent now ends (recomputed, or as the load-failure policy says) with no NIXL read
+        and no new handshake with P."""
+        rid, prompt, params = self._prefilled("refused")
+        reads, handshakes = _reads(self.d), _handshakes_with(self.d, self.p)
+        req = _add(self.d, rid, prompt, params)
+        assert _step([self.d, self.p], lambda: req.is_finished()), f"{rid} never finished ({req.status})"
+        assert _reads(self.d) == reads and _handshakes_with(self.d, self.p) == handshakes, (
+            f"D read {rid} from P ({_reads(self.d) - reads} reads, {_handshakes_with(self.d, self.p) - handshakes} "
+            f"handshakes) {why}"
+        )
+        assert _ended_as_the_policy_says(req), f"{rid}, refused, ended {req.status}"
+
+    def read(self, why: str) -> None:
+        rid, prompt, params = self._prefilled("read")
+        handshakes = _handshakes_with(self.d, self.p)
+        _read_and_check(self.p, self.d, rid, prompt, params)
+        assert _handshakes_with(self.d, self.p) == handshakes + 1, f"D did not handshake P again to read {rid} {why}"
+
+
+def test_a_prefill_invalidated_again_soon_is_refused_for_its_backoff_then_read(make_pd, nixl_agent, monkeypatch):
+    """Each time D's read from P breaks with a remote disconnect (NIXL drops P's metadata), D drops P and
+    handshakes again, but a peer that breaks again soon is given a rest: the user expects the first break
+    to be retried at once, the second to refuse P's requests (recomputed, no NIXL read, no handshake) for
+    1 s and then read them, the third for 2 s (the backoff doubles) and then read them, and, once P has
+    stayed healthy longer than the longest backoff (here set to 3 s), a new break to be retried at once
+    again; only the broken reads count as failed transfers, and nothing leaks."""
+    _needs("_invalid_engine_backoff", "backoff for a peer whose metadata breaks again")
+    module = importlib.import_module(va.nixl_wrapper_target()[0])
+    assert getattr(module, "_INVALID_PEER_MIN_BACKOFF_S", None) == 1.0, "the release's first backoff is not 1 s"
+    longest = 3.0
+    monkeypatch.setattr(module, "_INVALID_PEER_MAX_BACKOFF_S", longest)
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "2")
+    p, d = make_pd(nixl_extra_config={"kv_lease_duration": 2})
+    pd = _Backoff(p, d, nixl_agent)
+    pd.broken_read()
+    pd.read("right after its first break")
+    second = pd.broken_read()
+    pd.refused("right after its second break, within its 1 s backoff")
+    _sleep_until(second + 1.3, [d, p])
+    pd.read("1.3 s after its second break (a 1 s backoff)")
+    third = pd.broken_read()
+    pd.refused("right after its third break, within its 2 s backoff")
+    _sleep_until(third + 1.4, [d, p])
+    pd.refused("1.4 s after its third break: its backoff doubled to 2 s")
+    _sleep_until(third + 2.3, [d, p])
+    pd.read("2.3 s after its third break (a 2 s backoff)")
+    _sleep_until(third + 2 + longest + 0.3, [d, p])
+    pd.broken_read()
+    pd.read(f"right after a break {longest + 0.3:.1f} s after its last backoff ended (longer than the longest)")
+    if _nixl_stats_count("num_failed_transfers"):
+        counted = _nixl_counted(d.kv_outputs, "num_failed_transfers")
+        assert counted == 4, f"D's Nixl stats count {counted} failed transfers for 4 broken reads (refusals are not)"
+    assert _open_handles(d) == 0, f"{_open_handles(d)} NIXL transfer handles left open on D"
+    assert_no_leak(p, d)
+
