@@ -575,3 +575,35 @@ def test_a_prefill_invalidated_again_soon_is_refused_for_its_backoff_then_read(m
     assert _open_handles(d) == 0, f"{_open_handles(d)} NIXL transfer handles left open on D"
     assert_no_leak(p, d)
 
+
+# ---------------------------------------------------------------------------
+# 6. a prefill-side request aborted before it finishes
+# ---------------------------------------------------------------------------
+def test_a_prefill_request_aborted_before_it_finishes_frees_its_blocks_at_once(make_engine, nixl_agent):
+    """P runs a request for a remote decode (do_remote_decode) that has not finished (it has sampled one of
+    its two tokens) when its client goes away and it is aborted.  No decode will ever read it, so the user
+    expects P to free its blocks at once (within 3 steps of the abort, not after kv_lease_duration=30 s), to
+    hand out no kv_transfer_params for it, and to keep no trace of it in either half of its connectors.
+    (A prefill cut off in the middle of its chunks would be the other way to get here; the harness's model
+    runner samples a token for every scheduled request, so this one is what it can run.)"""
+    from vllm.v1.request import RequestStatus
+
+    p = _prefill_engine(make_engine, "kvcompat-prefill", nixl_extra_config={"kv_lease_duration": 30})
+    prompt = token_ids(4 * BLOCK + 5, start=3600)
+    req = va.make_request("aborted-prefill", prompt, max_tokens=2, kv_transfer_params=va.remote_decode_params())
+    p.scheduler.add_request(req)
+    p.step()
+    assert req.num_computed_tokens >= len(prompt) and not req.is_finished(), (
+        f"P's request is {req.status} with {req.num_computed_tokens} of {len(prompt)} tokens after one step"
+    )
+    assert p.free_blocks() < p.baseline_free, "P holds no blocks for the running request"
+    p.scheduler.finish_requests("aborted-prefill", RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):
+        p.step()
+    assert p.free_blocks() == p.baseline_free, (
+        f"P still holds {p.baseline_free - p.free_blocks()} blocks of the aborted request 3 steps after the abort"
+    )
+    assert all(o.kv_transfer_params is None for o in p.outputs.get("aborted-prefill", [])), (
+        "P handed out kv_transfer_params for a request it aborted"
+    )
+    assert_no_leak(p)
