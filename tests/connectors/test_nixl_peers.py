@@ -607,3 +607,17 @@ def test_a_prefill_request_aborted_before_it_finishes_frees_its_blocks_at_once(m
         "P handed out kv_transfer_params for a request it aborted"
     )
     assert_no_leak(p)
+
+
+# ---------------------------------------------------------------------------
+# 7. a prompt of one block
+# ---------------------------------------------------------------------------
+def test_a_decode_reads_a_one_block_prompt_exactly(make_pd, nixl_agent):
+    """A prompt that fills exactly one block (the shortest that P sends anything for) is read like any
+    other: D waits for it, reads that block over NIXL, and its block then holds exactly P's KV (D counts
+    the prompt as loaded, so a block it did not read would be decoded from whatever it held); P frees its
+    block once read, and nothing leaks.  Then a longer prompt is read the same way."""
+    p, d = make_pd()
+    _read_and_check(p, d, "one-block", token_ids(BLOCK, start=3800))
+    _read_and_check(p, d, "after-one-block", token_ids(2 * BLOCK + 3, start=3850))
+    assert_no_leak(p, d)
