@@ -16,7 +16,7 @@ import time
 
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import not_applicable, setup_owned_by
-from kvcompat.testkit.fake_nixl import _agent_key
+from kvcompat.testkit.fake_nixl import FakeNixlAgentConfig, _agent_key
 
 from conftest import (
     BLOCK,
@@ -429,3 +429,195 @@ def test_engine_ttl_zero_keeps_every_prefill_connected(make_engine, nixl_agent):
     _read_and_check(p1, d, "ttl0-p1-b", token_ids(2 * BLOCK + 3, start=2900), others=[p2])
     assert _handshakes_with(d, p1) == 1, f"D handshook P1 {_handshakes_with(d, p1)} times with eviction off"
     assert_no_leak(*everyone)
+
+
+# ---------------------------------------------------------------------------
+# 4. the NIXL agent's backend settings
+# ---------------------------------------------------------------------------
+def _with_nixl_agent_config(monkeypatch) -> None:
+    """NIXL's ``nixl_agent_config`` where the release's Nixl worker looks it up: the fake's stand-in (its
+    signature and defaults, kvcompat.testkit.fake_nixl.FakeNixlAgentConfig).  These cells have no nixl package,
+    so the release sees None there (and builds its agent without a config), which no deployment has: vLLM's
+    Nixl worker requires NIXL >= 1.5, whose nixl._api exports it."""
+    module = importlib.import_module(va.nixl_wrapper_target()[0])
+    if not hasattr(module, "nixl_agent_config"):
+        not_applicable("this release's Nixl worker builds its NIXL agent without an nixl_agent_config")
+    monkeypatch.setattr(module, "nixl_agent_config", FakeNixlAgentConfig)
+
+
+def _backends(engine) -> dict[str, dict[str, str]]:
+    """The backends rank 0's NIXL agent has, each with the init parameters it was created with."""
+    agent = _agent(engine)
+    assert len(agent.backends) == len(agent.backend_params), f"backends {agent.backends}"
+    return dict(agent.backend_params)
+
+
+def test_the_nixl_agent_gets_the_users_num_threads_and_one_ucx_backend(make_engine, make_pd, nixl_agent, monkeypatch):
+    """A user who sets ``num_threads`` (to bound UCX's threads, and so the NIC's UAR pages) expects each
+    engine's NIXL agent to have exactly one UCX backend, created with that many threads, with telemetry
+    captured for Nixl's transfer stats; a P/D pair built so reads byte-exact and leaks nothing.  Without
+    any nixl_agent_config (these cells' NIXL-less import) the agent keeps its one default UCX backend:
+    vLLM creates no second one."""
+    _needs("num_threads", "num_threads setting")
+    bare = make_engine(engine_id="kvcompat-no-agent-config")
+    assert _backends(bare) == {"UCX": {}}, f"an agent built without a config has backends {_backends(bare)}"
+    assert not _agent(bare).calls_named("create_backend"), "vLLM created a backend next to the agent's own UCX"
+    assert_no_leak(bare)
+    _with_nixl_agent_config(monkeypatch)
+    p, d = make_pd(nixl_extra_config={"num_threads": 2})
+    for name, e in (("P", p), ("D", d)):
+        assert _backends(e) == {"UCX": {"num_threads": "2"}}, (
+            f"{name}'s NIXL agent has backends {_backends(e)}; want one UCX backend with the user's num_threads=2"
+        )
+        assert _agent(e).config.capture_telemetry, f"{name}'s NIXL agent does not capture transfer telemetry"
+    _read_and_check(p, d, "num-threads", token_ids(2 * BLOCK + 3, start=3000))
+    assert_no_leak(p, d)
+
+
+def test_the_users_ucx_backend_params_reach_the_one_ucx_backend(make_pd, nixl_agent, monkeypatch):
+    """A user who passes ``ucx_backend_params`` (e.g. ucx_error_handling_mode=none) with ``num_threads``
+    expects each engine's NIXL agent to have exactly one UCX backend, created with both (values as strings,
+    as NIXL takes them) and nothing else; the pair reads byte-exact and leaks nothing."""
+    _needs("ucx_backend_params", "ucx_backend_params setting")
+    _with_nixl_agent_config(monkeypatch)
+    p, d = make_pd(nixl_extra_config={"num_threads": 2, "ucx_backend_params": {"ucx_error_handling_mode": "none"}})
+    want = {"UCX": {"num_threads": "2", "ucx_error_handling_mode": "none"}}
+    for name, e in (("P", p), ("D", d)):
+        assert _backends(e) == want, f"{name}'s NIXL agent has backends {_backends(e)}; want {want}"
+        assert _agent(e).config.capture_telemetry, f"{name}'s NIXL agent does not capture transfer telemetry"
+    _read_and_check(p, d, "ucx-params", token_ids(2 * BLOCK + 3, start=3050))
+    assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 5. a prefill whose NIXL metadata breaks again soon: backoff
+# ---------------------------------------------------------------------------
+class _Backoff:
+    """D and P (kv_lease_duration 2 s) and what the backoff scenario does with them: a read that breaks
+    with a remote disconnect, a request that must be refused, a request that must be read."""
+
+    def __init__(self, p, d, nixl_agent) -> None:
+        self.p, self.d, self.nixl_agent = p, d, nixl_agent
+        self.n = 0
+
+    def _prefilled(self, what: str) -> tuple[str, list[int], dict]:
+        self.n += 1
+        rid, prompt = f"backoff-{self.n}-{what}", token_ids(2 * BLOCK + 3, start=3100 + 40 * self.n)
+        with setup_owned_by(PREFILLED):
+            return rid, prompt, self.p.prefill(rid, prompt)
+
+    def broken_read(self) -> float:
+        """D reads from P and the read breaks with a remote disconnect (D's agent drops P's metadata); the
+        time D has seen it fail by (D marks P invalid in the step that sees the failure)."""
+        rid, prompt, params = self._prefilled("broken")
+        failed = self.nixl_agent.failed
+        self.nixl_agent.disconnecting_transfers = 1
+        req = _add(self.d, rid, prompt, params)
+        assert _step([self.d], lambda: self.nixl_agent.failed > failed), f"the fake transport did not cut {rid}'s read"
+        seen = time.perf_counter()
+        assert _step([self.d, self.p], lambda: req.is_finished()), f"{rid}, whose read broke, never finished"
+        assert _ended_as_the_policy_says(req), f"{rid}, whose read broke, ended {req.status}"
+        return seen
+
+    def refused(self, why: str) -> None:
+        """A request to P sent now ends (recomputed, or as the load-failure policy says) with no NIXL read
+        and no new handshake with P."""
+        rid, prompt, params = self._prefilled("refused")
+        reads, handshakes = _reads(self.d), _handshakes_with(self.d, self.p)
+        req = _add(self.d, rid, prompt, params)
+        assert _step([self.d, self.p], lambda: req.is_finished()), f"{rid} never finished ({req.status})"
+        assert _reads(self.d) == reads and _handshakes_with(self.d, self.p) == handshakes, (
+            f"D read {rid} from P ({_reads(self.d) - reads} reads, {_handshakes_with(self.d, self.p) - handshakes} "
+            f"handshakes) {why}"
+        )
+        assert _ended_as_the_policy_says(req), f"{rid}, refused, ended {req.status}"
+
+    def read(self, why: str) -> None:
+        rid, prompt, params = self._prefilled("read")
+        handshakes = _handshakes_with(self.d, self.p)
+        _read_and_check(self.p, self.d, rid, prompt, params)
+        assert _handshakes_with(self.d, self.p) == handshakes + 1, f"D did not handshake P again to read {rid} {why}"
+
+
+def test_a_prefill_invalidated_again_soon_is_refused_for_its_backoff_then_read(make_pd, nixl_agent, monkeypatch):
+    """Each time D's read from P breaks with a remote disconnect (NIXL drops P's metadata), D drops P and
+    handshakes again, but a peer that breaks again soon is given a rest: the user expects the first break
+    to be retried at once, the second to refuse P's requests (recomputed, no NIXL read, no handshake) for
+    1 s and then read them, the third for 2 s (the backoff doubles) and then read them, and, once P has
+    stayed healthy longer than the longest backoff (here set to 3 s), a new break to be retried at once
+    again; only the broken reads count as failed transfers, and nothing leaks."""
+    _needs("_invalid_engine_backoff", "backoff for a peer whose metadata breaks again")
+    module = importlib.import_module(va.nixl_wrapper_target()[0])
+    assert getattr(module, "_INVALID_PEER_MIN_BACKOFF_S", None) == 1.0, "the release's first backoff is not 1 s"
+    longest = 3.0
+    monkeypatch.setattr(module, "_INVALID_PEER_MAX_BACKOFF_S", longest)
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "2")
+    p, d = make_pd(nixl_extra_config={"kv_lease_duration": 2})
+    pd = _Backoff(p, d, nixl_agent)
+    pd.broken_read()
+    pd.read("right after its first break")
+    second = pd.broken_read()
+    pd.refused("right after its second break, within its 1 s backoff")
+    _sleep_until(second + 1.3, [d, p])
+    pd.read("1.3 s after its second break (a 1 s backoff)")
+    third = pd.broken_read()
+    pd.refused("right after its third break, within its 2 s backoff")
+    _sleep_until(third + 1.4, [d, p])
+    pd.refused("1.4 s after its third break: its backoff doubled to 2 s")
+    _sleep_until(third + 2.3, [d, p])
+    pd.read("2.3 s after its third break (a 2 s backoff)")
+    _sleep_until(third + 2 + longest + 0.3, [d, p])
+    pd.broken_read()
+    pd.read(f"right after a break {longest + 0.3:.1f} s after its last backoff ended (longer than the longest)")
+    if _nixl_stats_count("num_failed_transfers"):
+        counted = _nixl_counted(d.kv_outputs, "num_failed_transfers")
+        assert counted == 4, f"D's Nixl stats count {counted} failed transfers for 4 broken reads (refusals are not)"
+    assert _open_handles(d) == 0, f"{_open_handles(d)} NIXL transfer handles left open on D"
+    assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 6. a prefill-side request aborted before it finishes
+# ---------------------------------------------------------------------------
+def test_a_prefill_request_aborted_before_it_finishes_frees_its_blocks_at_once(make_engine, nixl_agent):
+    """P runs a request for a remote decode (do_remote_decode) that has not finished (it has sampled one of
+    its two tokens) when its client goes away and it is aborted.  No decode will ever read it, so the user
+    expects P to free its blocks at once (within 3 steps of the abort, not after kv_lease_duration=30 s), to
+    hand out no kv_transfer_params for it, and to keep no trace of it in either half of its connectors.
+    (A prefill cut off in the middle of its chunks would be the other way to get here; the harness's model
+    runner samples a token for every scheduled request, so this one is what it can run.)"""
+    from vllm.v1.request import RequestStatus
+
+    p = _prefill_engine(make_engine, "kvcompat-prefill", nixl_extra_config={"kv_lease_duration": 30})
+    prompt = token_ids(4 * BLOCK + 5, start=3600)
+    req = va.make_request("aborted-prefill", prompt, max_tokens=2, kv_transfer_params=va.remote_decode_params())
+    p.scheduler.add_request(req)
+    p.step()
+    assert req.num_computed_tokens >= len(prompt) and not req.is_finished(), (
+        f"P's request is {req.status} with {req.num_computed_tokens} of {len(prompt)} tokens after one step"
+    )
+    assert p.free_blocks() < p.baseline_free, "P holds no blocks for the running request"
+    p.scheduler.finish_requests("aborted-prefill", RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):
+        p.step()
+    assert p.free_blocks() == p.baseline_free, (
+        f"P still holds {p.baseline_free - p.free_blocks()} blocks of the aborted request 3 steps after the abort"
+    )
+    assert all(o.kv_transfer_params is None for o in p.outputs.get("aborted-prefill", [])), (
+        "P handed out kv_transfer_params for a request it aborted"
+    )
+    assert_no_leak(p)
+
+
+# ---------------------------------------------------------------------------
+# 7. a prompt of one block
+# ---------------------------------------------------------------------------
+def test_a_decode_reads_a_one_block_prompt_exactly(make_pd, nixl_agent):
+    """A prompt that fills exactly one block (the shortest that P sends anything for) is read like any
+    other: D waits for it, reads that block over NIXL, and its block then holds exactly P's KV (D counts
+    the prompt as loaded, so a block it did not read would be decoded from whatever it held); P frees its
+    block once read, and nothing leaks.  Then a longer prompt is read the same way."""
+    p, d = make_pd()
+    _read_and_check(p, d, "one-block", token_ids(BLOCK, start=3800))
+    _read_and_check(p, d, "after-one-block", token_ids(2 * BLOCK + 3, start=3850))
+    assert_no_leak(p, d)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvcompat.testkit import fake_nixl
-from kvcompat.testkit.fake_nixl import FakeDescList, FakeNixlWrapper
+from kvcompat.testkit.fake_nixl import FakeDescList, FakeNixlAgentConfig, FakeNixlWrapper
 
 
 @pytest.fixture
@@ -144,9 +144,29 @@ def test_notifications_drain_and_answer_remote_done(agents):
 
 
 def test_backends(agents):
+    """An agent built without a config has nixl_agent_config()'s one UCX backend, with no init parameters;
+    creating a backend of a type it already has raises (nixlAgent::createBackend: NIXL_ERR_INVALID_PARAM)."""
     d, _ = agents
     assert d.get_backend_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
-    assert d.create_backend("UCX", {}) == "UCX" and d.backends == ["UCX", "UCX"]
+    assert d.backends == ["UCX"] and d.backend_params == {"UCX": {}}
+    with pytest.raises(RuntimeError, match="NIXL_ERR_INVALID_PARAM"):
+        d.create_backend("UCX", {})
+    assert d.backends == ["UCX"]
+
+
+def test_an_agent_creates_the_backends_its_config_names(agents):  # (agents: reset around it)
+    """As nixl_agent.__init__ does: each backend of the config with a plugin (UCX here), with num_threads
+    when > 0; backends=[] creates none, and create_backend then adds one with its own parameters."""
+    a = FakeNixlWrapper("a", FakeNixlAgentConfig(num_threads=2, capture_telemetry=True))
+    assert a.backends == ["UCX"] and a.backend_params == {"UCX": {"num_threads": "2"}}
+    assert not a.calls_named("create_backend")  # the agent's own creation is not a call made to it
+    b = FakeNixlWrapper("b", FakeNixlAgentConfig(backends=["UCX", "NO_SUCH_PLUGIN"]))
+    assert b.backends == ["UCX"] and b.backend_params == {"UCX": {}}
+    c = FakeNixlWrapper("c", FakeNixlAgentConfig(backends=[]))
+    assert c.backends == []
+    c.create_backend("UCX", {"ucx_error_handling_mode": "none"})
+    assert c.backend_params == {"UCX": {"ucx_error_handling_mode": "none"}}
+    assert FakeNixlAgentConfig().backends == ["UCX"] and FakeNixlAgentConfig().num_threads == 0
 
 
 def test_no_class_is_over_200_lines():

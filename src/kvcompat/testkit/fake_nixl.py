@@ -8,6 +8,14 @@ the real library and is the reference for these behaviours):
 * ``get_new_notifs()`` returns ``{str agent name: [bytes, ...]}`` and drains;
 * ``transfer(handle)`` returns ``"PROC"``; the transfer is ``"DONE"`` the next
   time ``check_xfer_state(handle)`` polls it (``"PROC"`` is never final);
+* ``nixl_agent(name, config)`` creates the backends its config names (``None``:
+  ``nixl_agent_config()``'s defaults, one UCX backend), each with ``num_threads``
+  when it is > 0, as nixl 1.5.1's ``nixl_agent.__init__`` does (src/api/python/
+  _api.py); :class:`FakeNixlAgentConfig` has ``nixl_agent_config``'s signature and
+  defaults; ``create_backend`` of a type the agent already has raises, as
+  ``nixlAgent::createBackend`` returns NIXL_ERR_INVALID_PARAM ("backend already
+  created for type", src/core/nixl_agent.cpp); ``backend_params`` holds each
+  backend's init parameters;
 * ``prep_xfer_dlist`` / ``make_prepped_xfer`` / ``get_reg_descs`` /
   ``get_xfer_descs`` return opaque handles; releasing an unknown handle raises;
 * a remote agent whose metadata this agent dropped (``remove_remote_agent``, or a
@@ -54,6 +62,29 @@ class FakeXferTelemetry:
     xferDuration: int = 2
     totalBytes: int = 0
     descCount: int = 0
+
+
+class FakeNixlAgentConfig:
+    """Stand-in for ``nixl._api.nixl_agent_config`` (nixl 1.5.1): the same signature and defaults, and the
+    same attributes (what ``nixl_agent`` reads of it)."""
+
+    def __init__(
+        self,
+        enable_prog_thread: bool = True,
+        enable_listen_thread: bool = False,
+        listen_port: int = 8888,  # nixl._bindings.DEFAULT_COMM_PORT (nixl 1.5.1)
+        capture_telemetry: bool = False,
+        num_threads: int = 0,
+        backends: list[str] | None = None,
+        sync_mode: Any = None,
+    ):
+        self.backends = ["UCX"] if backends is None else backends
+        self.enable_pthread = enable_prog_thread
+        self.enable_listen = enable_listen_thread
+        self.port = listen_port
+        self.capture_telemetry = capture_telemetry
+        self.num_threads = num_threads
+        self.sync_mode = sync_mode
 
 
 @dataclass
@@ -126,11 +157,12 @@ class _AgentsAndMemory(_Recorder):
     remote_agents: dict[str, bytes]
     invalidated: set[str]
     backends: list[str]
+    backend_params: dict[str, dict[str, str]]
 
     # -- backends / plugins -------------------------------------------------
     def get_plugin_list(self) -> list[str]:
         self._record("get_plugin_list", (), {})
-        return ["UCX"]
+        return self._plugins()
 
     def get_backend_mem_types(self, backend: str) -> list[str]:
         self._record("get_backend_mem_types", (backend,), {})
@@ -138,8 +170,30 @@ class _AgentsAndMemory(_Recorder):
 
     def create_backend(self, backend: str, params: Any = None, *args: Any, **kwargs: Any) -> Any:
         self._record("create_backend", (backend, params) + args, kwargs)
+        return self._create_backend(backend, dict(params or {}))
+
+    def _create_backend(self, backend: str, params: dict[str, str]) -> str:
+        if backend in self.backends:  # nixlAgent::createBackend: NIXL_ERR_INVALID_PARAM
+            raise RuntimeError(f"NIXL_ERR_INVALID_PARAM: backend already created for type '{backend}'")
         self.backends.append(backend)
+        self.backend_params[backend] = params
         return backend
+
+    def _create_configured_backends(self, config: Any) -> None:
+        """What ``nixl_agent.__init__`` does with its config (``None``: the defaults): create each backend
+        it names that a plugin exists for, with ``num_threads`` for the multi-threaded ones when > 0."""
+        config = config or FakeNixlAgentConfig()
+        for backend in config.backends:
+            if backend not in self._plugins():
+                continue  # nixl_agent skips it with a warning ("missing plugin")
+            init: dict[str, str] = {}
+            if config.num_threads > 0 and backend in ("UCX", "OBJ", "LIBFABRIC"):
+                init["num_threads"] = str(config.num_threads)
+            self._create_backend(backend, init)
+
+    @staticmethod
+    def _plugins() -> list[str]:
+        return ["UCX"]
 
     # -- memory registration ------------------------------------------------
     def get_reg_descs(self, descs: Any, mem_type: str | None = None, *args: Any, **kwargs: Any) -> FakeDescList:
@@ -372,12 +426,14 @@ class FakeNixlWrapper(_AgentsAndMemory, _Transfers, _Notifications):
         self.registered: list[FakeDescList] = []
         self.remote_agents: dict[str, bytes] = {}
         self.invalidated: set[str] = set()  # remote agents whose metadata was dropped, until added again
-        self.backends: list[str] = ["UCX"]
+        self.backends: list[str] = []
+        self.backend_params: dict[str, dict[str, str]] = {}
         self._handles = itertools.count(1)
         self._dlists: dict[int, tuple[str, FakeDescList]] = {}
         self._xfers: dict[int, _Xfer] = {}
         self._notifs: dict[str, list[bytes]] = {}
         self._record("__init__", (agent_name, config) + args, kwargs)
+        self._create_configured_backends(config)
         with FakeNixlWrapper._lock:
             FakeNixlWrapper.instances.append(self)
 
