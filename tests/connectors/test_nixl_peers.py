@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import time
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import not_applicable, setup_owned_by
+from kvcompat.testkit import nixl_clock, not_applicable, setup_owned_by
 from kvcompat.testkit.fake_nixl import FakeNixlAgentConfig, _agent_key
 
 from conftest import (
@@ -197,6 +196,18 @@ def _state_about(d, engine_id: str) -> list[str]:
     return found
 
 
+def _p_frees(p, d, rid: str, clock, lease_s: float) -> bool:
+    """Whether P frees ``rid``'s blocks, on D's word within a few steps or once its lease has run out (the
+    lease's time passed on the release's clock, kvcompat.testkit.nixl_clock, not waited out)."""
+    for _ in range(5):
+        if rid not in p.scheduler.requests:
+            return True
+        d.step()
+        p.step()
+    clock.advance(lease_s + 0.5)
+    return _step([d, p], lambda: rid not in p.scheduler.requests)
+
+
 # ---------------------------------------------------------------------------
 # 1. a prefill whose NIXL metadata broke
 # ---------------------------------------------------------------------------
@@ -213,6 +224,7 @@ def test_a_prefill_whose_nixl_metadata_broke_is_released_and_read_again_after_on
     lease_s = 2
     monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
     p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    clock = nixl_clock.install(monkeypatch)
     prompt = token_ids(3 * BLOCK + 5, start=1700)
     with setup_owned_by(PREFILLED):
         params = p.prefill("broken-md", prompt)
@@ -235,7 +247,7 @@ def test_a_prefill_whose_nixl_metadata_broke_is_released_and_read_again_after_on
     if _nixl_stats_count("num_failed_transfers"):
         counted = _nixl_counted(d.kv_outputs, "num_failed_transfers")
         assert counted == 1, f"D's Nixl stats count {counted} failed transfers for the one read that broke"
-    assert _step([d, p], lambda: "broken-md" not in p.scheduler.requests), "P kept the blocks of the broken read"
+    assert _p_frees(p, d, "broken-md", clock, lease_s), "P kept the blocks of the broken read past its lease"
     assert _open_handles(d) == 0, f"{_open_handles(d)} NIXL transfer handles left open on D"
     assert_no_leak(p, d)
 
@@ -294,6 +306,7 @@ def test_a_nixl_read_that_errors_anywhere_finishes_the_request_and_releases_ever
     lease_s = 2
     monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
     p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    clock = nixl_clock.install(monkeypatch)
     faults = _Faults(monkeypatch, nixl_agent)
     cases = [  # (case, posts, polls, releases, ends in ERR, held in flight)
         ("the post fails", 1, 0, 0, False, False),
@@ -326,22 +339,25 @@ def test_a_nixl_read_that_errors_anywhere_finishes_the_request_and_releases_ever
         assert not faults.unknown, f"{case}: D released transfer handles {faults.unknown} that were already released"
         assert _open_handles(d) == 0, f"{case}: {_open_handles(d)} NIXL transfer handles left open on D"
         assert len(faults.released) == len(set(faults.released)), f"{case}: a handle was released twice"
-        assert _step([d, p], lambda rid=rid: rid not in p.scheduler.requests), f"{case}: P kept the blocks"
+        assert _p_frees(p, d, rid, clock, lease_s), f"{case}: P kept the blocks past its lease"
     assert_no_leak(p, d)
 
 
 # ---------------------------------------------------------------------------
 # 3. engine_ttl
 # ---------------------------------------------------------------------------
-def _sleep_until(t: float, engines) -> None:
-    """Let wall time pass until ``t``, stepping the engines as idle engines do."""
-    while time.perf_counter() < t:
+def _sleep_until(clock, t: float, engines) -> None:
+    """Let the release's clock reach ``t`` (kvcompat.testkit.nixl_clock: no waiting), then step the engines a
+    few times, as idle engines do."""
+    clock.advance_to(t)
+    for _ in range(3):
         for e in engines:
             e.step()
-        time.sleep(0.05)
 
 
-def test_engine_ttl_forgets_an_idle_prefill_with_all_its_state_and_keeps_the_recent_ones(make_engine, nixl_agent):
+def test_engine_ttl_forgets_an_idle_prefill_with_all_its_state_and_keeps_the_recent_ones(
+    make_engine, nixl_agent, monkeypatch
+):
     """D with engine_ttl=4 s reads from P1, then from P2 while P1 was used moments ago: P1 stays connected.
     Once P1 has been idle past the TTL, D's next handshake (with P3) forgets it: D's NIXL agent drops P1's
     agent and no per-engine state of D's Nixl worker mentions P1 any more (memory stays bounded however
@@ -353,13 +369,14 @@ def test_engine_ttl_forgets_an_idle_prefill_with_all_its_state_and_keeps_the_rec
     p2 = _prefill_engine(make_engine, "kvcompat-prefill-2")
     p3 = _prefill_engine(make_engine, "kvcompat-prefill-3")
     d = make_engine(engine_id="kvcompat-decode", nixl_extra_config={"engine_ttl": ttl})
+    clock = nixl_clock.install(monkeypatch)
     everyone = [d, p1, p2, p3]
-    t0 = time.perf_counter()
+    t0 = clock.perf_counter()
     _read_and_check(p1, d, "ttl-p1-a", token_ids(2 * BLOCK + 3, start=2300), others=[p2, p3])
-    _sleep_until(t0 + ttl / 2, everyone)
+    _sleep_until(clock, t0 + ttl / 2, everyone)
     _read_and_check(p2, d, "ttl-p2-a", token_ids(2 * BLOCK + 3, start=2350), others=[p1, p3])
-    assert _removed(d, p1) == 0, f"D forgot P1 when it handshook P2, {time.perf_counter() - t0:.1f}s after using P1"
-    _sleep_until(t0 + ttl + 0.3, everyone)
+    assert _removed(d, p1) == 0, f"D forgot P1 when it handshook P2, {clock.perf_counter() - t0:.1f}s after using P1"
+    _sleep_until(clock, t0 + ttl + 0.3, everyone)
     _read_and_check(p3, d, "ttl-p3-a", token_ids(2 * BLOCK + 3, start=2400), others=[p1, p2])
     assert _removed(d, p1) == 1, "D did not forget P1, idle past its engine_ttl, when it handshook P3"
     left = _state_about(d, p1.kv_transfer_name())
@@ -375,7 +392,7 @@ def test_engine_ttl_forgets_an_idle_prefill_with_all_its_state_and_keeps_the_rec
     assert_no_leak(*everyone)
 
 
-def test_engine_ttl_never_forgets_a_prefill_whose_read_is_in_flight(make_engine, nixl_agent):
+def test_engine_ttl_never_forgets_a_prefill_whose_read_is_in_flight(make_engine, nixl_agent, monkeypatch):
     """D with engine_ttl=1 s reads from P1, and the read stays in flight for longer than the TTL (a slow
     link).  When D handshakes P2 meanwhile, P1 is not forgotten: the read completes byte-exact.  Once P1
     has been idle past the TTL, D's next handshake (with P3) forgets it; nothing leaks."""
@@ -384,6 +401,7 @@ def test_engine_ttl_never_forgets_a_prefill_whose_read_is_in_flight(make_engine,
     p2 = _prefill_engine(make_engine, "kvcompat-prefill-2")
     p3 = _prefill_engine(make_engine, "kvcompat-prefill-3")
     d = make_engine(engine_id="kvcompat-decode", nixl_extra_config={"engine_ttl": 1})
+    clock = nixl_clock.install(monkeypatch)
     everyone = [d, p1, p2, p3]
     prompt = token_ids(3 * BLOCK + 5, start=2600)
     with setup_owned_by(PREFILLED):
@@ -391,7 +409,7 @@ def test_engine_ttl_never_forgets_a_prefill_whose_read_is_in_flight(make_engine,
     nixl_agent.polls_until_done = NEVER
     req = _add(d, "slow-read", prompt, params)
     assert _step(everyone, lambda: _reads(d) > 0, max_steps=50), "D never started the read from P1"
-    _sleep_until(time.perf_counter() + 1.5, everyone)
+    _sleep_until(clock, clock.perf_counter() + 1.5, everyone)
     prompt2 = token_ids(2 * BLOCK + 3, start=2650)
     with setup_owned_by(PREFILLED):
         params2 = p2.prefill("while-slow-read", prompt2)
@@ -407,23 +425,23 @@ def test_engine_ttl_never_forgets_a_prefill_whose_read_is_in_flight(make_engine,
     assert req.num_computed_tokens >= len(prompt) - 1, "D's slow read from P1 failed"
     d.run(["slow-read", "while-slow-read"])
     assert req2.num_output_tokens == 2
-    _sleep_until(time.perf_counter() + 1.5, everyone)
+    _sleep_until(clock, clock.perf_counter() + 1.5, everyone)
     _read_and_check(p3, d, "after-slow-read", token_ids(2 * BLOCK + 3, start=2700), others=[p1, p2])
     assert _removed(d, p1) == 1, "D did not forget P1, idle past engine_ttl=1s, when it handshook P3"
     assert_no_leak(*everyone)
 
 
-def test_engine_ttl_zero_keeps_every_prefill_connected(make_engine, nixl_agent):
+def test_engine_ttl_zero_keeps_every_prefill_connected(make_engine, nixl_agent, monkeypatch):
     """engine_ttl=0 turns eviction off: D reads from P1, P1 stays idle a while, D handshakes P2; P1 is
-    still connected, its next request is read without a new handshake; nothing leaks.  (With eviction on,
-    any idle time past a TTL of 0 would evict it: 0.3 s is as telling as a minute.)"""
+    still connected, its next request is read without a new handshake; nothing leaks."""
     _needs("engine_ttl", "engine_ttl")
     p1 = _prefill_engine(make_engine, "kvcompat-prefill-1")
     p2 = _prefill_engine(make_engine, "kvcompat-prefill-2")
     d = make_engine(engine_id="kvcompat-decode", nixl_extra_config={"engine_ttl": 0})
+    clock = nixl_clock.install(monkeypatch)
     everyone = [d, p1, p2]
     _read_and_check(p1, d, "ttl0-p1-a", token_ids(2 * BLOCK + 3, start=2800), others=[p2])
-    _sleep_until(time.perf_counter() + 0.3, everyone)
+    _sleep_until(clock, clock.perf_counter() + 60, everyone)
     _read_and_check(p2, d, "ttl0-p2", token_ids(2 * BLOCK + 3, start=2850), others=[p1])
     assert _removed(d, p1) == 0, "D forgot P1 with engine_ttl=0 (eviction off)"
     _read_and_check(p1, d, "ttl0-p1-b", token_ids(2 * BLOCK + 3, start=2900), others=[p2])
@@ -496,8 +514,8 @@ class _Backoff:
     """D and P (kv_lease_duration 2 s) and what the backoff scenario does with them: a read that breaks
     with a remote disconnect, a request that must be refused, a request that must be read."""
 
-    def __init__(self, p, d, nixl_agent) -> None:
-        self.p, self.d, self.nixl_agent = p, d, nixl_agent
+    def __init__(self, p, d, nixl_agent, clock) -> None:
+        self.p, self.d, self.nixl_agent, self.clock = p, d, nixl_agent, clock
         self.n = 0
 
     def _prefilled(self, what: str) -> tuple[str, list[int], dict]:
@@ -514,7 +532,7 @@ class _Backoff:
         self.nixl_agent.disconnecting_transfers = 1
         req = _add(self.d, rid, prompt, params)
         assert _step([self.d], lambda: self.nixl_agent.failed > failed), f"the fake transport did not cut {rid}'s read"
-        seen = time.perf_counter()
+        seen = self.clock.perf_counter()
         assert _step([self.d, self.p], lambda: req.is_finished()), f"{rid}, whose read broke, never finished"
         assert _ended_as_the_policy_says(req), f"{rid}, whose read broke, ended {req.status}"
         return seen
@@ -553,20 +571,21 @@ def test_a_prefill_invalidated_again_soon_is_refused_for_its_backoff_then_read(m
     monkeypatch.setattr(module, "_INVALID_PEER_MAX_BACKOFF_S", longest)
     monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "2")
     p, d = make_pd(nixl_extra_config={"kv_lease_duration": 2})
-    pd = _Backoff(p, d, nixl_agent)
+    clock = nixl_clock.install(monkeypatch)
+    pd = _Backoff(p, d, nixl_agent, clock)
     pd.broken_read()
     pd.read("right after its first break")
     second = pd.broken_read()
     pd.refused("right after its second break, within its 1 s backoff")
-    _sleep_until(second + 1.3, [d, p])
+    _sleep_until(clock, second + 1.3, [d, p])
     pd.read("1.3 s after its second break (a 1 s backoff)")
     third = pd.broken_read()
     pd.refused("right after its third break, within its 2 s backoff")
-    _sleep_until(third + 1.4, [d, p])
+    _sleep_until(clock, third + 1.4, [d, p])
     pd.refused("1.4 s after its third break: its backoff doubled to 2 s")
-    _sleep_until(third + 2.3, [d, p])
+    _sleep_until(clock, third + 2.3, [d, p])
     pd.read("2.3 s after its third break (a 2 s backoff)")
-    _sleep_until(third + 2 + longest + 0.3, [d, p])
+    _sleep_until(clock, third + 2 + longest + 0.3, [d, p])
     pd.broken_read()
     pd.read(f"right after a break {longest + 0.3:.1f} s after its last backoff ended (longer than the longest)")
     if _nixl_stats_count("num_failed_transfers"):
