@@ -1,0 +1,368 @@
+"""The Scheduler's connector paths, under MultiConnector(Nixl + CPU offload): how a failed load ends, what the
+Scheduler keeps of a load once it is over, when it tells the engine it still has work, how a reset and a
+shutdown reach the connectors.
+
+These are contracts on the release's Scheduler (vllm/v1/core/sched/scheduler.py) for what its connectors
+report: a regression there turns one of them red.  Engines are the release's Scheduler with the
+MultiConnector it builds and its worker half (see conftest); NIXL is the fake transport
+(kvcompat.testkit.fake_nixl), the CPU tier's copies the CPU transport.  Where a scenario needs a child to
+report what its real run does not give here (a block whose load failed), that one answer is scripted in the
+release's own protocol (kvcompat.testkit.adapter.children), as in test_multi_lifecycle.py.  Every scenario
+ends with its engines back at their idle baseline (:func:`conftest.assert_no_leak`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit import not_applicable, setup_owned_by, user_configuration
+from kvcompat.testkit.adapter import children as ch
+
+from conftest import (
+    BLOCK,
+    PREFILLED,
+    assert_no_leak,
+    can_reset_connectors,
+    fail_a_loaded_block,
+    patient_steps,
+    stored_prefix,
+    token_ids,
+    wait_until,
+)
+
+LEASE_S = 2  # P's lease on blocks nobody read (a failed read): short, so that the leak check's settle ends it
+
+
+def _step_both(p, d, until, max_steps: int = 400) -> bool:
+    """Step D then P until ``until()`` holds (reads and notifications run over loopback threads)."""
+    for _ in patient_steps(max_steps):
+        if until():
+            return True
+        d.step()
+        p.step()
+    return until()
+
+
+def _policy(engine) -> str:
+    """The release's kv_load_failure_policy for this engine ("recompute" where the release has no such knob)."""
+    return getattr(engine.vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+
+
+def _has_output_field(name: str) -> bool:
+    """Explicit probe: the release's KVConnectorOutput carries ``name``."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return name in va.capabilities._field_names(KVConnectorOutput)
+
+
+def _require_hma_pair(engine) -> None:
+    """Explicit probe: every child MultiConnector builds implements SupportsHMA (else no hybrid model can be
+    served by the pair, and the HMA scenarios cannot arise)."""
+    MultiConnector, _ = va.multi_classes()
+    kids = MultiConnector._get_connector_classes_and_configs(engine.vllm_config)
+    lacking = [cls.__name__ for cls, _ in kids if not va.supports_hma(cls)]
+    if lacking:
+        not_applicable(f"{', '.join(lacking)} does not implement SupportsHMA in this release")
+
+
+# make_engine / make_pd keywords for a hybrid model (a full-attention and a sliding-window group), HMA on
+HYBRID = {"sliding_window": 4 * BLOCK, "disable_hybrid_kv_cache_manager": False}
+
+
+def _fail_block_of_a_load(monkeypatch, engine, child, req_id: str, index: int) -> set[int]:
+    """Script one answer of the worker-role ``child``: when its load of ``req_id`` completes, it names the
+    request's block ``index`` (group 0) in get_block_ids_with_load_errors (once), and reports no failed
+    receive.  Returns the failed block ids, filled in when that happens."""
+    hook = ch.completion_hook()
+    real_hook = getattr(child, hook)
+    failed: set[int] = set()
+    errors: list[set[int]] = []
+
+    def completions(*args):
+        answer = real_hook(*args)
+        recving = answer.finished_recving if hook == "get_transfer_results" else answer[1]
+        if req_id in set(recving or ()) and not failed:
+            failed.add(va.group_block_ids(engine.scheduler.kv_cache_manager.get_block_ids(req_id))[index])
+            errors.append(set(failed))
+        return answer
+
+    ch.spy(monkeypatch, child, hook, completions)
+    ch.spy(monkeypatch, child, "get_block_ids_with_load_errors", lambda: errors.pop() if errors else set())
+    return failed
+
+
+# ---------------------------------------------------------------------------
+# 1. a failed NIXL read of a hybrid model ends the request (failed_recving is its only report)
+# ---------------------------------------------------------------------------
+def test_a_failed_load_under_hma_ends_the_request_in_error(make_pd, nixl_agent, monkeypatch):
+    """A hybrid model (full attention + sliding window) served P/D: D's NIXL read of P's blocks fails.  For
+    such a model Nixl reports the request only as a failed receive (no block ids: they are not unique across
+    KV-cache groups), and that alone must end it as the release's load-failure policy says: in error under
+    "fail" (the release's default), recomputed from scratch under "recompute".  It is never run on the KV
+    the failed read left behind, nor left waiting for it; neither engine leaks."""
+    from vllm.v1.request import RequestStatus
+
+    if not _has_output_field("failed_recving"):
+        not_applicable("this release's KVConnectorOutput has no failed_recving (no failed-receive reporting)")
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(LEASE_S))  # the lease's knob before 0.20
+    with user_configuration("P/D of a hybrid model (sliding window) with MultiConnector(Nixl, CPU offload), HMA on"):
+        p, d = make_pd(nixl_extra_config={"kv_lease_duration": LEASE_S}, **HYBRID)
+    _require_hma_pair(d)
+    assert va.hma_enabled(d.vllm_config) and len(d.kv_cache_config.kv_cache_groups) == 2, (
+        "scenario not built: the hybrid model did not get two KV-cache groups with HMA on"
+    )
+    prompt = token_ids(4 * BLOCK, start=1900)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("hma-failed-read", prompt)
+    nixl_agent.failing_transfers = 1
+    req = va.make_request("hma-failed-read", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    assert _step_both(p, d, lambda: nixl_agent.failed > 0 or req.is_finished()), "the fake transport failed no read"
+    assert _step_both(p, d, lambda: req.is_finished()), (
+        f"D's request whose read failed never finished: it is {req.status} (waiting on a load reported failed)"
+    )
+    reported = any("hma-failed-read" in (getattr(o, "failed_recving", None) or ()) for o in d.kv_outputs if o)
+    assert reported, "scenario not built: D's Nixl worker never reported the read as a failed receive"
+    if _policy(d) == "fail":
+        assert req.status == RequestStatus.FINISHED_ERROR, (
+            f"policy 'fail': the request whose read failed ended {req.status}, run on KV that never arrived"
+        )
+        out = d.finished_output("hma-failed-read")
+        assert out is not None and str(out.finish_reason).lower().endswith("error"), (
+            f"the client was not told the request failed: finish reason {getattr(out, 'finish_reason', None)}"
+        )
+    else:
+        assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED, req.status
+        assert req.num_computed_tokens >= len(prompt), "the prompt whose read failed was never recomputed"
+    assert "hma-failed-read" not in d.scheduler.requests, "D still holds the request whose read failed"
+    assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 2. the Scheduler keeps no record of a load once it is over
+# ---------------------------------------------------------------------------
+def test_the_scheduler_keeps_no_record_of_a_finished_or_aborted_load(engine, transport):
+    """A load from the CPU tier that completed leaves nothing behind in the Scheduler once its request has
+    run, and neither does one whose request is aborted after the load completed but before the request ran
+    again (the client went away at that moment): the aborted request's blocks come back at once (no
+    transfer is left to report them), the request is gone, and the engine is at its idle baseline."""
+    from vllm.v1.request import RequestStatus
+
+    done = token_ids(3 * BLOCK + 5, start=2100)
+    stored_prefix(engine, done, "record-done-src")
+    loads = len(transport.loads())
+    engine.scheduler.add_request(va.make_request("record-done", done, max_tokens=2))
+    engine.run(["record-done"])
+    assert len(transport.loads()) > loads, "scenario not built: the prompt was not loaded from the CPU tier"
+    left = set(engine.scheduler.finished_recving_kv_req_ids)
+    assert not left, f"the Scheduler still lists {sorted(left)} as loads to collect after the request ran"
+
+    aborted = token_ids(3 * BLOCK + 5, start=2300)
+    stored_prefix(engine, aborted, "record-aborted-src")
+    req = va.make_request("record-aborted", aborted, max_tokens=2)
+    engine.scheduler.add_request(req)
+
+    def reported() -> bool:
+        return "record-aborted" in (getattr(engine.kv_outputs[-1], "finished_recving", None) or ())
+
+    for _ in patient_steps(20):  # the copy thread completes the load
+        engine.step()
+        if reported():
+            break
+    assert reported(), "scenario not built: the CPU-offload child's load never completed"
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, (
+        f"scenario not built: the loaded request is {req.status} before the next schedule()"
+    )
+    engine.scheduler.finish_requests("record-aborted", RequestStatus.FINISHED_ABORTED)
+    for _ in range(2):
+        engine.step()
+    assert "record-aborted" not in engine.scheduler.requests, (
+        "the request aborted after its load completed is still held, its blocks waiting for a transfer report "
+        "that will never come"
+    )
+    left = set(engine.scheduler.finished_recving_kv_req_ids)
+    assert not left, f"the Scheduler still lists {sorted(left)} as loads to collect after the request was aborted"
+    assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------
+# 3. a failed block fails the request that loaded it, and no other
+# ---------------------------------------------------------------------------
+def test_a_block_failure_of_one_load_spares_the_other_requests(engine, monkeypatch):
+    """One block of a CPU-tier load fails (the child names it when the load completes) while another
+    request is decoding: the loading request ends as the load-failure policy says, and the decoding
+    request, whose blocks are all good, runs to its end untouched; nothing leaks."""
+    from vllm.v1.request import RequestStatus
+
+    if not _has_output_field("invalid_block_ids"):
+        not_applicable("this release's KVConnectorOutput has no invalid_block_ids (no load-failure recovery)")
+    prompt = token_ids(3 * BLOCK + 5, start=2500)
+    stored_prefix(engine, prompt, "spared-src")
+    bystander = va.make_request("bystander", token_ids(2 * BLOCK + 7, start=2700), max_tokens=24)
+    engine.scheduler.add_request(bystander)
+    engine.step()
+    engine.step()
+    assert bystander.status == RequestStatus.RUNNING and bystander.num_computed_tokens > 0, bystander.status
+    failed = fail_a_loaded_block(monkeypatch, engine, engine.worker._connectors[engine.offload_index], "loser")
+    loser = va.make_request("loser", prompt, max_tokens=2)
+    engine.scheduler.add_request(loser)
+    for _ in patient_steps(20):
+        if failed:
+            break
+        engine.step()
+    assert failed, "scenario not built: the CPU-offload child's load never completed"
+    assert not bystander.is_finished(), "scenario not built: the decoding request ended before the failure"
+    engine.run(["loser", "bystander"])
+    if _policy(engine) == "fail":
+        assert loser.status == RequestStatus.FINISHED_ERROR, f"policy 'fail': the failed load ended {loser.status}"
+    else:
+        assert loser.status == RequestStatus.FINISHED_LENGTH_CAPPED, loser.status
+    assert bystander.status == RequestStatus.FINISHED_LENGTH_CAPPED, (
+        f"a request with no failed block ended {bystander.status} because another request's load failed"
+    )
+    assert len(bystander.output_token_ids) == 24, (
+        f"the decoding request produced {len(bystander.output_token_ids)} of its 24 tokens"
+    )
+    assert_no_leak(engine)
+
+
+def test_a_failed_last_block_holding_one_token_fails_the_load(pd, monkeypatch):
+    """A P/D read of a prompt of two blocks and one token, whose last block (that one token) the Nixl child
+    names as failed when the read completes: that token's KV is not there, so the request ends as the
+    load-failure policy says (in error under "fail"), never run on the block the read did not write; P frees
+    its blocks and neither engine leaks."""
+    from vllm.v1.request import RequestStatus
+
+    if not _has_output_field("invalid_block_ids"):
+        not_applicable("this release's KVConnectorOutput has no invalid_block_ids (no load-failure recovery)")
+    p, d = pd
+    prompt = token_ids(2 * BLOCK + 1, start=2900)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("one-token-tail", prompt)
+    failed = _fail_block_of_a_load(monkeypatch, d, d.worker._connectors[d.nixl_index], "one-token-tail", 2)
+    req = va.make_request("one-token-tail", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    assert _step_both(p, d, lambda: bool(failed)), "scenario not built: D's read never completed"
+    assert _step_both(p, d, lambda: req.is_finished()), f"D's request never finished ({req.status})"
+    if _policy(d) == "fail":
+        assert req.status == RequestStatus.FINISHED_ERROR, (
+            f"policy 'fail': the request whose last block (1 token) failed to load ended {req.status}"
+        )
+    else:
+        assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED, req.status
+        assert req.num_computed_tokens >= len(prompt), "the failed token was never recomputed"
+    assert _step_both(p, d, lambda: "one-token-tail" not in p.scheduler.requests), "P kept the blocks D read"
+    assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 4. shutdown
+# ---------------------------------------------------------------------------
+def test_scheduler_shutdown_stops_the_connector(make_pd, monkeypatch):
+    """Shutting the Scheduler down (EngineCore's shutdown, after the workers') shuts its connector down
+    once: the Nixl handshake listener P's MultiConnector started for its decode peers stops, its thread
+    ends, and the engine leaks nothing."""
+    before = set(threading.enumerate())
+    p, _ = make_pd()
+    listeners = [t for t in set(threading.enumerate()) - before if t.name == "nixl_handshake_listener"]
+    assert listeners, "scenario not built: P serves its Nixl handshake on no listener thread of that name"
+    assert_no_leak(p)
+    calls = ch.spy(monkeypatch, p.multi, "shutdown")
+    p.scheduler.shutdown()
+    assert len(calls) == 1, f"Scheduler.shutdown() called its connector's shutdown {len(calls)} times, want once"
+    running = [t.name for t in listeners if wait_until(lambda t=t: not t.is_alive(), timeout=5) is False]
+    assert not running, f"{running} still running after the Scheduler's shutdown: the handshake port stays bound"
+
+
+# ---------------------------------------------------------------------------
+# 5. finished requests whose sends are pending keep the engine stepping
+# ---------------------------------------------------------------------------
+def test_finished_requests_with_pending_sends_keep_the_engine_busy(pd):
+    """P has finished a prefill whose blocks D has not read yet: P's Scheduler says it still has work (as
+    EngineCore asks it, has_requests), so an engine core that steps only while there is work keeps stepping,
+    learns that D read the blocks, and frees them; then it says it has none."""
+    p, d = pd
+    prompt = token_ids(3 * BLOCK + 5, start=3100)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("busy-send", prompt)
+    assert "busy-send" in p.scheduler.requests, "scenario not built: P freed the blocks before D's read"
+    p.step()  # the step after the finish: P's finished ids are handed out, only the held blocks remain
+    assert p.scheduler.has_requests(), (
+        "P says it has no work while it holds a finished request's blocks for D: its engine core stops stepping"
+    )
+    d.scheduler.add_request(va.make_request("busy-send", prompt, max_tokens=2, kv_transfer_params=params))
+    for _ in patient_steps(400):  # P steps only while its Scheduler says it has work, as EngineCore's loop does
+        if "busy-send" not in p.scheduler.requests and d.finished_output("busy-send") is not None:
+            break
+        d.step()
+        if p.scheduler.has_requests():
+            p.step()
+    assert d.finished_output("busy-send") is not None, "D never finished the request"
+    assert "busy-send" not in p.scheduler.requests, (
+        "P, stepping only while its Scheduler said it had work, never freed the blocks D read"
+    )
+    assert not p.scheduler.has_finished_requests(), "P says it still holds finished requests after D's read"
+    assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 6. a reset the connectors or the local cache refuse is reported as refused
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("refused_by", ["a child", "the local cache"])
+def test_a_refused_reset_is_reported(engine, monkeypatch, refused_by):
+    """Resetting the prefix cache with the connectors' answers True only if every part reset: when one
+    child refuses (the others reset), or when the local prefix cache cannot be reset because a request is
+    running (the connectors reset), the Scheduler answers False, so the caller knows stale KV may still be
+    served.  The request runs to its end and nothing leaks."""
+    can_reset_connectors(engine)
+    if refused_by == "a child":
+        for i, child in enumerate(engine.multi._connectors):
+            ch.spy(monkeypatch, child, "reset_cache", lambda _ok=(i != engine.offload_index): _ok)
+        assert engine.scheduler.reset_prefix_cache(reset_connector=True) is False, (
+            "the reset was reported done although the CPU-offload child refused it"
+        )
+        assert_no_leak(engine)
+        return
+    # Under one block of prompt and output: nothing is stored to the CPU tier, so the connectors can reset.
+    engine.scheduler.add_request(va.make_request("running", token_ids(BLOCK // 2, start=3300), max_tokens=6))
+    engine.step()
+    engine.step()
+    assert engine.multi.reset_cache() is not False, "scenario not built: the connectors refused to reset"
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True) is False, (
+        "the reset was reported done although a running request kept the local prefix cache from resetting"
+    )
+    engine.run(["running"])
+    assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------
+# 7. block-level load failures on a multi-group model are refused loudly
+# ---------------------------------------------------------------------------
+def test_block_level_load_failures_are_refused_on_a_multi_group_model(make_engine, monkeypatch):
+    """A hybrid model (two KV-cache groups, HMA on): block ids are only unique within a group, so a child
+    that reports a failed load by block id (get_block_ids_with_load_errors) cannot be mapped back to
+    requests.  The Scheduler refuses it with its own error, saying so, rather than failing, recomputing or
+    keeping the wrong requests with group 0's ids.  (EngineCore dies on that error: there is no engine left
+    to check for leaks.)"""
+    if not _has_output_field("invalid_block_ids"):
+        not_applicable("this release's KVConnectorOutput has no invalid_block_ids (no load-failure recovery)")
+    with user_configuration("a hybrid model (sliding window) with MultiConnector(Nixl, CPU offload), HMA on"):
+        engine = make_engine(**HYBRID)
+    _require_hma_pair(engine)
+    assert va.hma_enabled(engine.vllm_config) and len(engine.kv_cache_config.kv_cache_groups) == 2, (
+        "scenario not built: the hybrid model did not get two KV-cache groups with HMA on"
+    )
+    prompt = token_ids(3 * BLOCK + 5, start=3500)
+    stored_prefix(engine, prompt, "groups-src")
+    failed = fail_a_loaded_block(monkeypatch, engine, engine.worker._connectors[engine.offload_index], "groups")
+    engine.scheduler.add_request(va.make_request("groups", prompt, max_tokens=2))
+    with pytest.raises(RuntimeError, match="multiple KV cache groups"):
+        for _ in patient_steps(20):
+            engine.step()
+            if failed:
+                engine.step()  # the step whose output reports the failed block, if not this one
+                break
+    assert failed, "scenario not built: the CPU-offload child's load never completed"
