@@ -5,8 +5,9 @@
 Reads the run's results file (written by `nox -s mutants -- --target GROUP`) and prints one line per method
 with survivors, most survivors first: where contracts are missing, or where the code serves a configuration
 the pair's suite does not run (the report's per-file list names every survivor and its line).  "explained":
-of the survivors, those whose cause tests/mutants/equivalent-<group>.toml writes down; --unexplained lists only
-the methods that still have survivors nobody has explained.
+of the survivors, those whose cause tests/mutants/equivalent-<group>.toml writes down, read from that file as it is
+now (an entry written after the run counts; one that calls a survivor equivalent takes it out); --unexplained
+lists only the methods that still have survivors nobody has explained.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import collections
 import json
 import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "src"))
+from kvcompat.mutation.generate import load_reasons  # noqa: E402
 
 
 def main() -> int:
@@ -28,11 +33,15 @@ def main() -> int:
         print(f"error: {args.results} is not a file; give a results/mutants-*.json of a mutation run", file=sys.stderr)
         return 2
     run = json.loads(args.results.read_text())
+    reasons = load_reasons(REPO / "tests" / "mutants" / f"equivalent-{run.get('group')}.toml")
+    release = run["cell"]["vllm"]
     counts: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
     for m in run["mutants"]:
-        kind = "not reached" if m.get("how") == "unreached" else m["status"]
+        status = "equivalent" if reasons.reason_for(m["id"], release) else m["status"]
+        kind = "not reached" if status == "survived" and m.get("how") == "unreached" else status
         counts[(Path(m.get("file") or "?").name, m["contract"])][kind] += 1
-        counts[(Path(m.get("file") or "?").name, m["contract"])]["explained"] += bool(m.get("explained"))
+        explained = status == "survived" and bool(reasons.explanation_for(m["id"], release))
+        counts[(Path(m.get("file") or "?").name, m["contract"])]["explained"] += explained
     rows = [(k, c) for k, c in counts.items() if c["survived"] or c["not reached"]]
     if args.unexplained:
         rows = [(k, c) for k, c in rows if c["survived"] + c["not reached"] > c["explained"]]
