@@ -545,10 +545,10 @@ def a_load_held_in_flight(engine, transport, prompt: list[int], req_id: str) -> 
     return req, so
 
 
-def fail_a_loaded_block(monkeypatch, engine: Engine, child: Any, req_id: str) -> set[int]:
-    """Script one answer of a worker-role CPU-offload ``child``: when its load of ``req_id`` completes, it names
-    block 1 of the request in get_block_ids_with_load_errors (once).  Returns the failed block ids, filled in
-    when that happens (empty until then)."""
+def fail_a_loaded_block(monkeypatch, engine: Engine, child: Any, req_id: str, index: int = 1) -> set[int]:
+    """Script one answer of a worker-role ``child``: when its load of ``req_id`` completes, it names the request's
+    block ``index`` (group 0) in get_block_ids_with_load_errors (once), and reports no failed receive.  Returns
+    the failed block ids, filled in when that happens (empty until then)."""
     hook = ch.completion_hook()
     real_hook = getattr(child, hook)
     failed: set[int] = set()
@@ -558,13 +558,47 @@ def fail_a_loaded_block(monkeypatch, engine: Engine, child: Any, req_id: str) ->
         answer = real_hook(*args)
         recving = answer.finished_recving if hook == "get_transfer_results" else answer[1]
         if req_id in set(recving or ()) and not failed:
-            failed.add(va.group_block_ids(engine.scheduler.kv_cache_manager.get_block_ids(req_id))[1])
+            failed.add(va.group_block_ids(engine.scheduler.kv_cache_manager.get_block_ids(req_id))[index])
             errors.append(set(failed))
         return answer
 
     ch.spy(monkeypatch, child, hook, completions)
     ch.spy(monkeypatch, child, "get_block_ids_with_load_errors", lambda: errors.pop() if errors else set())
     return failed
+
+
+def step_until(engines: list[Engine], until, max_steps: int = 400) -> bool:
+    """Step every engine, in the order given (D before P), until ``until()`` holds or ``max_steps`` (and
+    TRANSFER_WAIT_S of wall time: reads and notifications run over loopback threads) have passed."""
+    for _ in patient_steps(max_steps):
+        if until():
+            return True
+        for e in engines:
+            e.step()
+    return until()
+
+
+def nixl_stats_count(key: str) -> bool:
+    """Probe: whether the release's NixlKVConnectorStats counts ``key`` (0.34: nixl/stats.py)."""
+    for name in ("nixl.stats", "nixl_connector", "nixl.connector"):
+        try:
+            module = importlib.import_module(f"vllm.distributed.kv_transfer.kv_connector.v1.{name}")
+        except ImportError:
+            continue
+        stats = getattr(module, "NixlKVConnectorStats", None)
+        if stats is not None:
+            return key in (stats().data or {})
+    return False
+
+
+def nixl_counted(kv_outputs: list, key: str) -> int:
+    """What Nixl's stats counted under ``key`` over ``kv_outputs`` (the steps' stats, MultiConnector's per child)."""
+    counted = 0
+    for o in kv_outputs:
+        stats = getattr(o, "kv_connector_stats", None) if o else None
+        for child in (getattr(stats, "data", None) or {}).values():
+            counted += len((getattr(child, "data", None) or {}).get(key, []))
+    return counted
 
 
 def cpu_tier_hit(engine: Engine, prompt: list[int], req_id: str) -> int:

@@ -27,8 +27,10 @@ from conftest import (
     PD_READ,
     PREFILLED,
     assert_no_leak,
-    patient_steps,
+    nixl_counted,
+    nixl_stats_count,
     pd_read_is_byte_exact,
+    step_until,
     stored_prefix,
     token_ids,
 )
@@ -41,16 +43,6 @@ def _status(req):
     from vllm.v1.request import RequestStatus
 
     return req.status, RequestStatus
-
-
-def _step_both(p, d, until, max_steps: int = 400) -> bool:
-    """Step D then P until ``until()`` holds (reads and notifications run over loopback threads)."""
-    for _ in patient_steps(max_steps):
-        if until():
-            return True
-        d.step()
-        p.step()
-    return until()
 
 
 def _answers(monkeypatch, obj, name: str) -> list:
@@ -114,11 +106,11 @@ def test_decode_waits_for_the_remote_kv_and_asks_for_exactly_the_prefilled_token
         f"want ({len(prompt)}, True): every prompt token, loaded asynchronously"
     )
     nixl_agent.polls_until_done = 1
-    assert _step_both(p, d, lambda: req.status != waiting), "D's read never completed"
+    assert step_until([d, p], lambda: req.status != waiting), "D's read never completed"
     scheduled = _computed_after_the_read(d, "async-0")
     assert scheduled <= 1, f"D computed {scheduled} prompt tokens itself after loading all {len(prompt)} over NIXL"
     d.run(["async-0"])
-    assert _step_both(p, d, lambda: "async-0" not in p.scheduler.requests), "P kept the blocks after D had read them"
+    assert step_until([d, p], lambda: "async-0" not in p.scheduler.requests), "P kept the blocks after D had read them"
     assert_no_leak(p, d)
 
 
@@ -155,7 +147,7 @@ def test_a_decode_with_blocks_twice_the_prefills_reads_the_prompt_token_for_toke
     def received() -> bool:
         return any("hetero-0" in (o.finished_recving or ()) for o in d.kv_outputs if o)
 
-    assert _step_both(p, d, received), "D's read never finished"
+    assert step_until([d, p], received), "D's read never finished"
     read_end = -(-prompt_len // BLOCK) * BLOCK  # the read moves whole P blocks
     last = (prompt_len - 1) // big
     for layer, cache in d.ranks[0].kv_caches.items():
@@ -170,7 +162,7 @@ def test_a_decode_with_blocks_twice_the_prefills_reads_the_prompt_token_for_toke
     scheduled = _computed_after_the_read(d, "hetero-0")
     assert scheduled <= 1, f"D computed {scheduled} prompt tokens itself after loading all {prompt_len} over NIXL"
     d.run(["hetero-0"])
-    assert _step_both(p, d, lambda: "hetero-0" not in p.scheduler.requests), "P kept the blocks after D's read"
+    assert step_until([d, p], lambda: "hetero-0" not in p.scheduler.requests), "P kept the blocks after D's read"
     assert_no_leak(p, d)
 
 
@@ -197,7 +189,7 @@ def test_decode_with_a_local_prefix_hit_reads_only_the_uncached_suffix(pd, nixl_
     d.scheduler.add_request(req)
     d.step()
     _, RequestStatus = _status(req)
-    assert _step_both(p, d, lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS), "D's read never completed"
+    assert step_until([d, p], lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS), "D's read never completed"
     assert (len(prompt) - local, True) in nixl_answers, (
         f"D's Nixl child answered {nixl_answers} with {local} prompt tokens cached locally; "
         f"want ({len(prompt) - local}, True): only the uncached suffix"
@@ -212,7 +204,7 @@ def test_decode_with_a_local_prefix_hit_reads_only_the_uncached_suffix(pd, nixl_
                     f"D's block {d_blocks[j]} (prompt block {j}, {layer}) does not hold the KV of {where}"
                 )
     d.run(["suffix-0"])
-    assert _step_both(p, d, lambda: "suffix-0" not in p.scheduler.requests), "P kept the blocks after D had read them"
+    assert step_until([d, p], lambda: "suffix-0" not in p.scheduler.requests), "P kept the blocks after D had read them"
     assert_no_leak(p, d)
 
 
@@ -309,7 +301,7 @@ def test_decode_heartbeats_keep_the_prefill_blocks_past_the_lease_while_its_read
         params = p.prefill("hb-read", prompt)
     nixl_agent.polls_until_done = NEVER
     d.scheduler.add_request(va.make_request("hb-read", prompt, max_tokens=2, kv_transfer_params=params))
-    assert _step_both(p, d, lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
+    assert step_until([d, p], lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
     start = time.monotonic()
     while time.monotonic() - start < 1.5 * lease_s:  # P's own lease ran out before this window began
         d.step()
@@ -320,8 +312,8 @@ def test_decode_heartbeats_keep_the_prefill_blocks_past_the_lease_while_its_read
         f"though D sent {_heartbeats(nixl_agent)} heartbeats"
     )
     nixl_agent.polls_until_done = 1
-    assert _step_both(p, d, lambda: "hb-read" not in p.scheduler.requests), "P never freed the blocks D read"
-    assert _step_both(p, d, lambda: "hb-read" not in d.scheduler.requests), "D never finished the request it read"
+    assert step_until([d, p], lambda: "hb-read" not in p.scheduler.requests), "P never freed the blocks D read"
+    assert step_until([d, p], lambda: "hb-read" not in d.scheduler.requests), "D never finished the request it read"
     sent = _heartbeats(nixl_agent)
     for _ in range(5):
         d.step()
@@ -345,10 +337,10 @@ def test_a_decode_served_from_its_own_cpu_tier_still_releases_the_prefill_blocks
         params = p.prefill("own-tier", prompt)
     req = va.make_request("own-tier", prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
-    assert _step_both(p, d, lambda: "own-tier" not in p.scheduler.requests), (
+    assert step_until([d, p], lambda: "own-tier" not in p.scheduler.requests), (
         "P still holds the blocks of a request D served: stranded until the lease ends"
     )
-    assert _step_both(p, d, lambda: req.is_finished()), f"D never finished the request ({req.status})"
+    assert step_until([d, p], lambda: req.is_finished()), f"D never finished the request ({req.status})"
     over_nixl, from_tier = _reads(nixl_agent) > 0, len(d.transfers.loads()) > cpu_loads_before
     assert over_nixl != from_tier, f"D loaded the prompt {'twice' if over_nixl else 'from nowhere'}"
     assert_no_leak(p, d)
@@ -378,9 +370,9 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
         return set(va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids("failed-read")))
 
     # The blocks D gives the read: taken when they are allocated, which a loaded machine may delay a step or two
-    assert _step_both(p, d, lambda: bool(allocated()) or nixl_agent.failed > 0), "D never allocated the request"
+    assert step_until([d, p], lambda: bool(allocated()) or nixl_agent.failed > 0), "D never allocated the request"
     d_blocks = allocated()
-    assert _step_both(p, d, lambda: nixl_agent.failed == 1), "the fake transport failed no read: no scenario"
+    assert step_until([d, p], lambda: nixl_agent.failed == 1), "the fake transport failed no read: no scenario"
     for _ in range(3):
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             break
@@ -388,9 +380,9 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
     assert req.num_computed_tokens <= BLOCK or req.status == RequestStatus.FINISHED_ERROR, (
         f"{req.num_computed_tokens} prompt tokens counted as computed from a read that failed"
     )
-    assert _step_both(p, d, lambda: req.is_finished()), f"D's request whose read failed never finished ({req.status})"
+    assert step_until([d, p], lambda: req.is_finished()), f"D's request whose read failed never finished ({req.status})"
     assert req.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ERROR), req.status
-    assert _step_both(p, d, lambda: "failed-read" not in p.scheduler.requests), (
+    assert step_until([d, p], lambda: "failed-read" not in p.scheduler.requests), (
         f"P still holds the blocks of a read that failed, past its {lease_s}s lease"
     )
     if "invalid_block_ids" in va.capabilities._field_names(KVConnectorOutput):
@@ -398,8 +390,8 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
         assert invalid and invalid <= d_blocks, (
             f"D reported {sorted(invalid)} as blocks whose load failed; want some of the request's {sorted(d_blocks)}"
         )
-    if _nixl_stats_count("num_failed_transfers"):
-        counted = _nixl_counted(d.kv_outputs, "num_failed_transfers")
+    if nixl_stats_count("num_failed_transfers"):
+        counted = nixl_counted(d.kv_outputs, "num_failed_transfers")
         assert counted == 1, f"D's Nixl stats count {counted} failed transfers for the one read that failed"
     open_handles = sum(len(agent._xfers) for agent in nixl_agent.instances)
     assert open_handles == 0, f"{open_handles} NIXL transfer handles still open after the failed read was handled"
@@ -417,31 +409,10 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
     assert _handshakes(nixl_agent) == handshakes, (
         "D handshook again with a healthy P after one failed read (it dropped the connection)"
     )
-    assert _step_both(p, d, lambda: "after-failed-read" not in p.scheduler.requests), "P kept the next request's blocks"
+    assert step_until([d, p], lambda: "after-failed-read" not in p.scheduler.requests), (
+        "P kept the next request's blocks"
+    )
     assert_no_leak(p, d)
-
-
-def _nixl_stats_count(key: str) -> bool:
-    """Probe: whether the release's NixlKVConnectorStats counts ``key`` (0.34: nixl/stats.py)."""
-    for name in ("nixl.stats", "nixl_connector", "nixl.connector"):
-        try:
-            module = importlib.import_module(f"vllm.distributed.kv_transfer.kv_connector.v1.{name}")
-        except ImportError:
-            continue
-        stats = getattr(module, "NixlKVConnectorStats", None)
-        if stats is not None:
-            return key in (stats().data or {})
-    return False
-
-
-def _nixl_counted(kv_outputs: list, key: str) -> int:
-    """What Nixl's stats counted under ``key`` over ``kv_outputs`` (the steps' stats, MultiConnector's per child)."""
-    counted = 0
-    for o in kv_outputs:
-        stats = getattr(o, "kv_connector_stats", None) if o else None
-        for child in (getattr(stats, "data", None) or {}).values():
-            counted += len((getattr(child, "data", None) or {}).get(key, []))
-    return counted
 
 
 def test_a_failed_handshake_does_not_hang_the_decode_and_the_next_request_reads(make_pd, nixl_agent, monkeypatch):
@@ -461,15 +432,15 @@ def test_a_failed_handshake_does_not_hang_the_decode_and_the_next_request_reads(
     stale = {**params, "remote_engine_id": params["remote_engine_id"] + "-restarted"}
     req = va.make_request("bad-handshake", prompt, max_tokens=2, kv_transfer_params=stale)
     d.scheduler.add_request(req)
-    assert _step_both(p, d, lambda: req.is_finished()), f"D's request stayed {req.status} after its handshake failed"
+    assert step_until([d, p], lambda: req.is_finished()), f"D's request stayed {req.status} after its handshake failed"
     assert req.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ERROR), req.status
-    if _nixl_stats_count("num_failed_handshakes"):  # counted per handshake tried (0.34.0 tries twice here)
-        counted = _nixl_counted(d.kv_outputs, "num_failed_handshakes")
+    if nixl_stats_count("num_failed_handshakes"):  # counted per handshake tried (0.34.0 tries twice here)
+        counted = nixl_counted(d.kv_outputs, "num_failed_handshakes")
         assert counted >= 1, "D's Nixl stats count no failed handshake"
-    if _nixl_stats_count("num_failed_transfers"):
-        counted = _nixl_counted(d.kv_outputs, "num_failed_transfers")
+    if nixl_stats_count("num_failed_transfers"):
+        counted = nixl_counted(d.kv_outputs, "num_failed_transfers")
         assert counted == 0, f"D's Nixl stats count {counted} failed transfers where no transfer was made"
-    assert _step_both(p, d, lambda: "bad-handshake" not in p.scheduler.requests), (
+    assert step_until([d, p], lambda: "bad-handshake" not in p.scheduler.requests), (
         f"P still holds the blocks nobody read, past its {lease_s}s lease"
     )
     prompt = token_ids(2 * BLOCK + 3, start=1600)
@@ -479,7 +450,7 @@ def test_a_failed_handshake_does_not_hang_the_decode_and_the_next_request_reads(
     reads = _reads(nixl_agent)
     d.run(["after-bad-handshake"])
     assert _reads(nixl_agent) > reads, "D did not read the next request from P over NIXL after one failed handshake"
-    assert _step_both(p, d, lambda: "after-bad-handshake" not in p.scheduler.requests), "P kept the next request"
+    assert step_until([d, p], lambda: "after-bad-handshake" not in p.scheduler.requests), "P kept the next request"
     assert_no_leak(p, d)
 
 
@@ -498,7 +469,7 @@ def test_decode_abort_before_scheduling_releases_the_prefill_blocks(pd):
         params = p.prefill("abort-early", prompt)
     d.scheduler.add_request(va.make_request("abort-early", prompt, max_tokens=2, kv_transfer_params=params))
     d.scheduler.finish_requests("abort-early", RequestStatus.FINISHED_ABORTED)
-    assert _step_both(p, d, lambda: "abort-early" not in p.scheduler.requests), (
+    assert step_until([d, p], lambda: "abort-early" not in p.scheduler.requests), (
         "P still holds the blocks of a request D aborted before scheduling it: stranded until the lease ends"
     )
     assert "abort-early" not in d.scheduler.requests, "D kept the aborted request"
@@ -518,14 +489,14 @@ def test_decode_abort_while_waiting_for_remote_kv_releases_both_sides(pd, nixl_a
     nixl_agent.polls_until_done = NEVER
     req = va.make_request("abort-waiting", prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
-    assert _step_both(p, d, lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
+    assert step_until([d, p], lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, req.status
     d.scheduler.finish_requests("abort-waiting", RequestStatus.FINISHED_ABORTED)
     nixl_agent.polls_until_done = 1
-    assert _step_both(p, d, lambda: "abort-waiting" not in p.scheduler.requests), (
+    assert step_until([d, p], lambda: "abort-waiting" not in p.scheduler.requests), (
         "P still holds the blocks of a request D aborted while reading them"
     )
-    assert _step_both(p, d, lambda: "abort-waiting" not in d.scheduler.requests), (
+    assert step_until([d, p], lambda: "abort-waiting" not in d.scheduler.requests), (
         "D never let go of the aborted request"
     )
     assert_no_leak(p, d)

@@ -22,7 +22,9 @@ from conftest import (
     HANDSHAKE,
     PREFILLED,
     assert_no_leak,
-    patient_steps,
+    nixl_counted,
+    nixl_stats_count,
+    step_until,
     token_ids,
 )
 
@@ -84,16 +86,6 @@ def _open_handles(d) -> int:
     return len(_agent(d)._xfers)
 
 
-def _step(engines, until, max_steps: int = 400) -> bool:
-    """Step every engine (D first) until ``until()`` holds."""
-    for _ in patient_steps(max_steps):
-        if until():
-            return True
-        for e in engines:
-            e.step()
-    return until()
-
-
 def _waiting(req) -> bool:
     from vllm.v1.request import RequestStatus
 
@@ -126,7 +118,7 @@ def _read_and_check(p, d, rid: str, prompt: list[int], params: dict | None = Non
     d.step()
     assert _waiting(req), f"D did not wait for {rid}'s KV from {p.kv_transfer_name()}: {req.status}"
     d_blocks = va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids(rid))
-    assert _step([d, p, *others], lambda: not _waiting(req)), f"D's read of {rid} never finished"
+    assert step_until([d, p, *others], lambda: not _waiting(req)), f"D's read of {rid} never finished"
     assert _reads(d) > reads, f"D did not read {rid} over NIXL from {p.kv_transfer_name()}"
     assert req.num_computed_tokens >= len(prompt) - 1, (
         f"D counts {req.num_computed_tokens} of {len(prompt)} prompt tokens of {rid} as loaded: the read failed"
@@ -139,29 +131,7 @@ def _read_and_check(p, d, rid: str, prompt: list[int], params: dict | None = Non
                 f"{p.kv_transfer_name()} computed"
             )
     d.run([rid])
-    assert _step([d, p, *others], lambda: rid not in p.scheduler.requests), f"P kept {rid}'s blocks after the read"
-
-
-def _nixl_stats_count(key: str) -> bool:
-    """Probe: whether the release's NixlKVConnectorStats counts ``key``."""
-    for name in ("nixl.stats", "nixl_connector", "nixl.connector"):
-        try:
-            module = importlib.import_module(f"vllm.distributed.kv_transfer.kv_connector.v1.{name}")
-        except ImportError:
-            continue
-        stats = getattr(module, "NixlKVConnectorStats", None)
-        if stats is not None:
-            return key in (stats().data or {})
-    return False
-
-
-def _nixl_counted(kv_outputs: list, key: str) -> int:
-    counted = 0
-    for o in kv_outputs:
-        stats = getattr(o, "kv_connector_stats", None) if o else None
-        for child in (getattr(stats, "data", None) or {}).values():
-            counted += len((getattr(child, "data", None) or {}).get(key, []))
-    return counted
+    assert step_until([d, p, *others], lambda: rid not in p.scheduler.requests), f"P kept {rid}'s blocks after the read"
 
 
 def _mentions(value, engine_id: str, depth: int = 0) -> bool:
@@ -205,7 +175,7 @@ def _p_frees(p, d, rid: str, clock, lease_s: float) -> bool:
         d.step()
         p.step()
     clock.advance(lease_s + 0.5)
-    return _step([d, p], lambda: rid not in p.scheduler.requests)
+    return step_until([d, p], lambda: rid not in p.scheduler.requests)
 
 
 # ---------------------------------------------------------------------------
@@ -230,7 +200,7 @@ def test_a_prefill_whose_nixl_metadata_broke_is_released_and_read_again_after_on
         params = p.prefill("broken-md", prompt)
     nixl_agent.disconnecting_transfers = 1
     req = _add(d, "broken-md", prompt, params)
-    assert _step([d, p], lambda: nixl_agent.failed == 1), "the fake transport cut no read: no scenario"
+    assert step_until([d, p], lambda: nixl_agent.failed == 1), "the fake transport cut no read: no scenario"
     assert not _agent(d).check_remote_metadata(_agent(p).name), "the disconnect left P's metadata in D's agent"
     # The next request reaches D in its very next step, while nothing else has stepped D.
     handshakes = _handshakes_with(d, p)
@@ -242,10 +212,10 @@ def test_a_prefill_whose_nixl_metadata_broke_is_released_and_read_again_after_on
         f"D handshook {_handshakes_with(d, p) - handshakes} times with P after its metadata broke; want 1"
     )
     assert _removed(d, p) == 1, f"D dropped P's NIXL agent {_removed(d, p)} times after one broken read; want 1"
-    assert _step([d, p], lambda: req.is_finished()), f"D's request whose read broke never finished ({req.status})"
+    assert step_until([d, p], lambda: req.is_finished()), f"D's request whose read broke never finished ({req.status})"
     assert _ended_as_the_policy_says(req), f"the request whose read broke ended {req.status}"
-    if _nixl_stats_count("num_failed_transfers"):
-        counted = _nixl_counted(d.kv_outputs, "num_failed_transfers")
+    if nixl_stats_count("num_failed_transfers"):
+        counted = nixl_counted(d.kv_outputs, "num_failed_transfers")
         assert counted == 1, f"D's Nixl stats count {counted} failed transfers for the one read that broke"
     assert _p_frees(p, d, "broken-md", clock, lease_s), "P kept the blocks of the broken read past its lease"
     assert _open_handles(d) == 0, f"{_open_handles(d)} NIXL transfer handles left open on D"
@@ -325,7 +295,9 @@ def test_a_nixl_read_that_errors_anywhere_finishes_the_request_and_releases_ever
         nixl_agent.polls_until_done = NEVER if held else 1
         req = _add(d, rid, prompt, params)
         if held:
-            assert _step([d, p], lambda: faults.releases == 0, max_steps=50), f"{case}: the release was never tried"
+            assert step_until([d, p], lambda: faults.releases == 0, max_steps=50), (
+                f"{case}: the release was never tried"
+            )
             for _ in range(5):
                 d.step()
                 assert _waiting(req), (
@@ -333,7 +305,9 @@ def test_a_nixl_read_that_errors_anywhere_finishes_the_request_and_releases_ever
                 )
             assert _open_handles(d) == 1, f"{case}: D forgot the handle whose release failed"
             nixl_agent.polls_until_done = 1
-        assert _step([d, p], lambda req=req: req.is_finished()), f"{case}: D's request never finished ({req.status})"
+        assert step_until([d, p], lambda req=req: req.is_finished()), (
+            f"{case}: D's request never finished ({req.status})"
+        )
         assert (faults.posts, faults.polls, faults.releases) == (0, 0, 0), f"{case}: not every fault was hit"
         assert _ended_as_the_policy_says(req), f"{case}: the request ended {req.status}"
         assert not faults.unknown, f"{case}: D released transfer handles {faults.unknown} that were already released"
@@ -408,20 +382,20 @@ def test_engine_ttl_never_forgets_a_prefill_whose_read_is_in_flight(make_engine,
         params = p1.prefill("slow-read", prompt)
     nixl_agent.polls_until_done = NEVER
     req = _add(d, "slow-read", prompt, params)
-    assert _step(everyone, lambda: _reads(d) > 0, max_steps=50), "D never started the read from P1"
+    assert step_until(everyone, lambda: _reads(d) > 0, max_steps=50), "D never started the read from P1"
     _sleep_until(clock, clock.perf_counter() + 1.5, everyone)
     prompt2 = token_ids(2 * BLOCK + 3, start=2650)
     with setup_owned_by(PREFILLED):
         params2 = p2.prefill("while-slow-read", prompt2)
     req2 = _add(d, "while-slow-read", prompt2, params2)
-    assert _step(everyone, lambda: _handshakes_with(d, p2) == 1), "D never handshook P2"
+    assert step_until(everyone, lambda: _handshakes_with(d, p2) == 1), "D never handshook P2"
     for _ in range(3):
         for e in everyone:
             e.step()
     assert _removed(d, p1) == 0, "D forgot P1 while its read from P1 was in flight"
     assert _waiting(req), f"D's read from P1 ended ({req.status}) before the transport completed it"
     nixl_agent.polls_until_done = 1
-    assert _step(everyone, lambda: not _waiting(req)), "D's read from P1 never finished"
+    assert step_until(everyone, lambda: not _waiting(req)), "D's read from P1 never finished"
     assert req.num_computed_tokens >= len(prompt) - 1, "D's slow read from P1 failed"
     d.run(["slow-read", "while-slow-read"])
     assert req2.num_output_tokens == 2
@@ -531,9 +505,11 @@ class _Backoff:
         failed = self.nixl_agent.failed
         self.nixl_agent.disconnecting_transfers = 1
         req = _add(self.d, rid, prompt, params)
-        assert _step([self.d], lambda: self.nixl_agent.failed > failed), f"the fake transport did not cut {rid}'s read"
+        assert step_until([self.d], lambda: self.nixl_agent.failed > failed), (
+            f"the fake transport did not cut {rid}'s read"
+        )
         seen = self.clock.perf_counter()
-        assert _step([self.d, self.p], lambda: req.is_finished()), f"{rid}, whose read broke, never finished"
+        assert step_until([self.d, self.p], lambda: req.is_finished()), f"{rid}, whose read broke, never finished"
         assert _ended_as_the_policy_says(req), f"{rid}, whose read broke, ended {req.status}"
         return seen
 
@@ -543,7 +519,7 @@ class _Backoff:
         rid, prompt, params = self._prefilled("refused")
         reads, handshakes = _reads(self.d), _handshakes_with(self.d, self.p)
         req = _add(self.d, rid, prompt, params)
-        assert _step([self.d, self.p], lambda: req.is_finished()), f"{rid} never finished ({req.status})"
+        assert step_until([self.d, self.p], lambda: req.is_finished()), f"{rid} never finished ({req.status})"
         assert _reads(self.d) == reads and _handshakes_with(self.d, self.p) == handshakes, (
             f"D read {rid} from P ({_reads(self.d) - reads} reads, {_handshakes_with(self.d, self.p) - handshakes} "
             f"handshakes) {why}"
@@ -588,8 +564,8 @@ def test_a_prefill_invalidated_again_soon_is_refused_for_its_backoff_then_read(m
     _sleep_until(clock, third + 2 + longest + 0.3, [d, p])
     pd.broken_read()
     pd.read(f"right after a break {longest + 0.3:.1f} s after its last backoff ended (longer than the longest)")
-    if _nixl_stats_count("num_failed_transfers"):
-        counted = _nixl_counted(d.kv_outputs, "num_failed_transfers")
+    if nixl_stats_count("num_failed_transfers"):
+        counted = nixl_counted(d.kv_outputs, "num_failed_transfers")
         assert counted == 4, f"D's Nixl stats count {counted} failed transfers for 4 broken reads (refusals are not)"
     assert _open_handles(d) == 0, f"{_open_handles(d)} NIXL transfer handles left open on D"
     assert_no_leak(p, d)

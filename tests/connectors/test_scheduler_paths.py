@@ -28,22 +28,13 @@ from conftest import (
     can_reset_connectors,
     fail_a_loaded_block,
     patient_steps,
+    step_until,
     stored_prefix,
     token_ids,
     wait_until,
 )
 
 LEASE_S = 2  # P's lease on blocks nobody read (a failed read): short, so that the leak check's settle ends it
-
-
-def _step_both(p, d, until, max_steps: int = 400) -> bool:
-    """Step D then P until ``until()`` holds (reads and notifications run over loopback threads)."""
-    for _ in patient_steps(max_steps):
-        if until():
-            return True
-        d.step()
-        p.step()
-    return until()
 
 
 def _policy(engine) -> str:
@@ -72,28 +63,6 @@ def _require_hma_pair(engine) -> None:
 HYBRID = {"sliding_window": 4 * BLOCK, "disable_hybrid_kv_cache_manager": False}
 
 
-def _fail_block_of_a_load(monkeypatch, engine, child, req_id: str, index: int) -> set[int]:
-    """Script one answer of the worker-role ``child``: when its load of ``req_id`` completes, it names the
-    request's block ``index`` (group 0) in get_block_ids_with_load_errors (once), and reports no failed
-    receive.  Returns the failed block ids, filled in when that happens."""
-    hook = ch.completion_hook()
-    real_hook = getattr(child, hook)
-    failed: set[int] = set()
-    errors: list[set[int]] = []
-
-    def completions(*args):
-        answer = real_hook(*args)
-        recving = answer.finished_recving if hook == "get_transfer_results" else answer[1]
-        if req_id in set(recving or ()) and not failed:
-            failed.add(va.group_block_ids(engine.scheduler.kv_cache_manager.get_block_ids(req_id))[index])
-            errors.append(set(failed))
-        return answer
-
-    ch.spy(monkeypatch, child, hook, completions)
-    ch.spy(monkeypatch, child, "get_block_ids_with_load_errors", lambda: errors.pop() if errors else set())
-    return failed
-
-
 # ---------------------------------------------------------------------------
 # 1. a failed NIXL read of a hybrid model ends the request (failed_recving is its only report)
 # ---------------------------------------------------------------------------
@@ -120,8 +89,8 @@ def test_a_failed_load_under_hma_ends_the_request_in_error(make_pd, nixl_agent, 
     nixl_agent.failing_transfers = 1
     req = va.make_request("hma-failed-read", prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
-    assert _step_both(p, d, lambda: nixl_agent.failed > 0 or req.is_finished()), "the fake transport failed no read"
-    assert _step_both(p, d, lambda: req.is_finished()), (
+    assert step_until([d, p], lambda: nixl_agent.failed > 0 or req.is_finished()), "the fake transport failed no read"
+    assert step_until([d, p], lambda: req.is_finished()), (
         f"D's request whose read failed never finished: it is {req.status} (waiting on a load reported failed)"
     )
     reported = any("hma-failed-read" in (getattr(o, "failed_recving", None) or ()) for o in d.kv_outputs if o)
@@ -242,11 +211,11 @@ def test_a_failed_last_block_holding_one_token_fails_the_load(pd, monkeypatch):
     prompt = token_ids(2 * BLOCK + 1, start=2900)
     with setup_owned_by(PREFILLED):
         params = p.prefill("one-token-tail", prompt)
-    failed = _fail_block_of_a_load(monkeypatch, d, d.worker._connectors[d.nixl_index], "one-token-tail", 2)
+    failed = fail_a_loaded_block(monkeypatch, d, d.worker._connectors[d.nixl_index], "one-token-tail", 2)
     req = va.make_request("one-token-tail", prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
-    assert _step_both(p, d, lambda: bool(failed)), "scenario not built: D's read never completed"
-    assert _step_both(p, d, lambda: req.is_finished()), f"D's request never finished ({req.status})"
+    assert step_until([d, p], lambda: bool(failed)), "scenario not built: D's read never completed"
+    assert step_until([d, p], lambda: req.is_finished()), f"D's request never finished ({req.status})"
     if _policy(d) == "fail":
         assert req.status == RequestStatus.FINISHED_ERROR, (
             f"policy 'fail': the request whose last block (1 token) failed to load ended {req.status}"
@@ -254,7 +223,7 @@ def test_a_failed_last_block_holding_one_token_fails_the_load(pd, monkeypatch):
     else:
         assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED, req.status
         assert req.num_computed_tokens >= len(prompt), "the failed token was never recomputed"
-    assert _step_both(p, d, lambda: "one-token-tail" not in p.scheduler.requests), "P kept the blocks D read"
+    assert step_until([d, p], lambda: "one-token-tail" not in p.scheduler.requests), "P kept the blocks D read"
     assert_no_leak(p, d)
 
 

@@ -82,6 +82,19 @@ class SlowWorkerMeta:
         return self.held.pop(0)
 
 
+def _store_done_on_rank_0_only(engine, slow: SlowWorkerMeta, req_id: str, prompt: list[int]) -> None:
+    """A request run to its end whose store to the CPU tier rank 0 has reported done and rank 1 (``slow``)
+    has done but not reported: a store that never reports is the store contract's finding."""
+    engine.scheduler.add_request(va.make_request(req_id, prompt, max_tokens=2))
+    engine.run([req_id])
+    for _ in patient_steps(20):
+        if slow.held:
+            break
+        engine.step()
+    with setup_owned_by(STORED):
+        assert slow.held, "rank 1 never reported a store done"
+
+
 def _tp2(make_engine):
     engine = make_engine(tensor_parallel_size=2)
     assert engine.aggregator is not None
@@ -209,14 +222,7 @@ def test_a_store_counts_only_when_both_ranks_have_stored(make_engine, transport,
     engine = _tp2(make_engine)
     slow = SlowWorkerMeta(monkeypatch, engine.ranks[1].connector)
     prompt = token_ids(3 * BLOCK + 5, start=180)
-    engine.scheduler.add_request(va.make_request("tp-store", prompt, max_tokens=2))
-    engine.run(["tp-store"])
-    for _ in patient_steps(20):
-        if slow.held:
-            break
-        engine.step()
-    with setup_owned_by(STORED):
-        assert slow.held, "rank 1 never reported a store done"
+    _store_done_on_rank_0_only(engine, slow, "tp-store", prompt)
     for _ in range(4):
         engine.step()
     served = cpu_tier_hit(engine, prompt, "tp-store-early")
@@ -242,14 +248,7 @@ def test_a_reset_while_one_rank_still_stores_releases_the_store_when_that_rank_f
     can_reset_connectors(engine)
     slow = SlowWorkerMeta(monkeypatch, engine.ranks[1].connector)
     prompt = token_ids(3 * BLOCK + 5, start=6100)
-    engine.scheduler.add_request(va.make_request("tp-reset", prompt, max_tokens=2))
-    engine.run(["tp-reset"])
-    for _ in patient_steps(20):
-        if slow.held:
-            break
-        engine.step()
-    with setup_owned_by(STORED):
-        assert slow.held, "rank 1 never reported a store done"
+    _store_done_on_rank_0_only(engine, slow, "tp-reset", prompt)
     engine.step()
     engine.scheduler.reset_prefix_cache(reset_connector=True)
     slow.holding = False
