@@ -9,6 +9,7 @@ transfer stays in flight.  Every scenario ends with the engine back at its idle 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import inspect
@@ -86,6 +87,13 @@ def test_cpu_tier_metrics_count_the_blocks_it_loaded(engine, transport, monkeypa
     assert reports, "the Scheduler never asked the CPU-offload child for its stats"
     loaded = sum((r.data.get("data", {}).get(names.LOAD_BLOCKS, {}).get((), 0) if r else 0) for r in reports)
     assert loaded == 3, f"the CPU tier served the prompt's 3 full blocks and its stats count {loaded} loaded"
+    # What reaches the stats logger in another process: the stats as plain data under the child's name,
+    # rebuilt by the release's MultiConnector.build_kv_connector_stats (0.34.0 multi_connector.py L715-736).
+    MultiConnector, _ = va.multi_classes()
+    name = type(engine.offload).__name__
+    rebuilt = [MultiConnector.build_kv_connector_stats(data={name: copy.deepcopy(r.data)}) for r in reports if r]
+    reloaded = sum(s.data[name].data.get("data", {}).get(names.LOAD_BLOCKS, {}).get((), 0) for s in rebuilt)
+    assert reloaded == 3, f"the stats logger, rebuilding what the engine sent, counts {reloaded} of 3 blocks loaded"
     info = {labels for r in reports if r for labels in r.data.get("data", {}).get(getattr(names, "INFO", ""), {})}
     tier = str(len(engine.offload.scheduler_manager.cpu_block_pool.blocks))
     assert info or not hasattr(names, "INFO"), "the CPU tier never described itself to the metrics (info gauge)"

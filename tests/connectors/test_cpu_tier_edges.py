@@ -165,3 +165,30 @@ def test_a_cpu_tier_hit_reserved_for_a_request_waiting_for_device_blocks_is_rele
     served = cpu_tier_hit(engine, after, "after-reserved")
     assert served >= 3 * BLOCK, f"after {ended_by} of a waiting request the CPU tier serves {served} tokens"
     assert_no_leak(engine)
+
+
+def test_a_request_with_a_device_cache_hit_aborted_while_it_waits_for_device_blocks_leaves_no_record(make_engine):
+    """A request whose prompt starts with a prefix still in the device cache, but which must wait for
+    device blocks (the pool is busy), is aborted before it gets them (the client went away).  The
+    CPU-offload child, told of the local hit when the scheduler looked the request up, forgets it with
+    the request: nothing of it is left in the child's bookkeeping (a server that keeps every such request
+    grows without end, and meets the stale entry again when a request id comes back), and the engine
+    returns to its idle baseline."""
+    from vllm.v1.request import RequestStatus
+
+    engine = make_engine(num_blocks=10)  # 9 usable device blocks (block 0 is the null block)
+    shared = token_ids(2 * BLOCK, start=6100)
+    engine.scheduler.add_request(va.make_request("local-src", shared + token_ids(5, start=6300), max_tokens=2))
+    engine.run(["local-src"])
+    engine.settle()  # its two full blocks stay in the device cache: no reset
+    engine.scheduler.add_request(va.make_request("busy", token_ids(4 * BLOCK + 20, start=6400), max_tokens=30))
+    engine.step()
+    engine.scheduler.add_request(va.make_request("local-hit", shared + token_ids(3 * BLOCK, start=6600), max_tokens=2))
+    engine.step()
+    waiting = engine.scheduler.requests["local-hit"]
+    assert waiting.status == RequestStatus.WAITING and waiting.num_computed_tokens == 0, (
+        f"scenario not built: the request did not wait for device blocks ({waiting.status})"
+    )
+    engine.scheduler.finish_requests("local-hit", RequestStatus.FINISHED_ABORTED)
+    engine.run(["busy"])
+    assert_no_leak(engine)

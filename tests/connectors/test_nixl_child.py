@@ -346,6 +346,35 @@ def test_a_decode_served_from_its_own_cpu_tier_still_releases_the_prefill_blocks
     assert_no_leak(p, d)
 
 
+def test_a_decode_read_over_nixl_waits_for_the_read_though_its_cpu_tier_holds_the_prompt(make_pd, nixl_agent):
+    """With Nixl first in config order, a P/D request whose prompt D also keeps in its CPU tier is D's
+    Nixl child's to load; the CPU-offload child, which found the prompt too, loads nothing.  So D runs
+    the request only when the NIXL read is done: while the read is in flight the request waits for
+    its remote KV, and no other child's (empty) completion may let it run on blocks nobody wrote."""
+    from vllm.v1.request import RequestStatus
+
+    p, d = make_pd(order="nixl-first")
+    prompt = token_ids(3 * BLOCK + 5, start=820)
+    stored_prefix(d, prompt, "tier-and-nixl-src")
+    cpu_loads_before = len(d.transfers.loads())
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("tier-and-nixl", prompt)
+    nixl_agent.polls_until_done = NEVER
+    req = va.make_request("tier-and-nixl", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    assert step_until([d, p], lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
+    for _ in range(5):
+        d.step()
+        p.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not req.output_token_ids, (
+        f"D ran the request before its NIXL read completed ({req.status}, {len(req.output_token_ids)} tokens out)"
+    )
+    nixl_agent.polls_until_done = 1
+    assert step_until([d, p], lambda: req.is_finished()), f"D never finished the request it read ({req.status})"
+    assert len(d.transfers.loads()) == cpu_loads_before, "D's CPU tier loaded a prompt its Nixl child was reading"
+    assert_no_leak(p, d)
+
+
 def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_agent, monkeypatch):
     """A NIXL read that breaks (the transport reports an error state, no bytes moved) does not hang D:
     its request finishes (recomputed, or ended as the release's load-failure policy says), D leaks
