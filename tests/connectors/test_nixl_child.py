@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import time
 
 import pytest
 
 from kvcompat.outcomes import CHILD_ORDERS
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import not_applicable, setup_owned_by
+from kvcompat.testkit import nixl_clock, not_applicable, setup_owned_by
 from kvcompat.testkit.adapter.idle import scheduler_object, worker_object
 
 from conftest import (
@@ -271,23 +270,23 @@ def test_prefill_frees_the_blocks_when_the_lease_expires(make_engine, monkeypatc
         va.make_request("lease-0", prompt, max_tokens=1, kv_transfer_params=va.remote_decode_params())
     )
     engine.run(["lease-0"])
-    finished = time.monotonic()
+    clock = nixl_clock.install(monkeypatch)  # the lease's time passes on the release's clock, not waited out
+    clock.advance(0.8 * lease_s)
     for _ in range(3):
         engine.step()
-    assert "lease-0" in engine.scheduler.requests, "P freed the blocks at once, before any decode side could read"
-    deadline = finished + lease_s + 20
-    while "lease-0" in engine.scheduler.requests and time.monotonic() < deadline:
-        engine.step()
-        time.sleep(0.05)
-    held_for = time.monotonic() - finished
-    assert "lease-0" not in engine.scheduler.requests, (
-        f"P still holds the unread blocks {held_for:.0f}s after a {lease_s}s lease ({knob})"
+    assert "lease-0" in engine.scheduler.requests, (
+        f"P freed the blocks {0.8 * lease_s:.1f}s into a {lease_s}s lease, before any decode side could read"
     )
-    assert held_for >= lease_s * 0.9, f"P freed the blocks after {held_for:.1f}s, before its {lease_s}s lease"
+    clock.advance(0.2 * lease_s + 0.5)
+    assert step_until([engine], lambda: "lease-0" not in engine.scheduler.requests, max_steps=50), (
+        f"P still holds the unread blocks {lease_s + 0.5:.1f}s into a {lease_s}s lease ({knob})"
+    )
     assert_no_leak(engine)
 
 
-def test_decode_heartbeats_keep_the_prefill_blocks_past_the_lease_while_its_read_is_in_flight(make_pd, nixl_agent):
+def test_decode_heartbeats_keep_the_prefill_blocks_past_the_lease_while_its_read_is_in_flight(
+    make_pd, nixl_agent, monkeypatch
+):
     """A read that outlasts the lease (a slow link, a busy decode) does not lose the prefill's blocks:
     while D waits for it, D's Nixl child renews the lease with heartbeats, so P still holds the blocks
     well past the lease; once the read completes P frees them on D's notification, D stops
@@ -302,11 +301,11 @@ def test_decode_heartbeats_keep_the_prefill_blocks_past_the_lease_while_its_read
     nixl_agent.polls_until_done = NEVER
     d.scheduler.add_request(va.make_request("hb-read", prompt, max_tokens=2, kv_transfer_params=params))
     assert step_until([d, p], lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
-    start = time.monotonic()
-    while time.monotonic() - start < 1.5 * lease_s:  # P's own lease ran out before this window began
+    clock = nixl_clock.install(monkeypatch)  # 1.5 leases pass on the release's clock, a step at a time
+    for _ in range(12):  # P's own lease ran out a third of the way into this window
+        clock.advance(1.5 * lease_s / 12)
         d.step()
         p.step()
-        time.sleep(0.05)
     assert "hb-read" in p.scheduler.requests, (
         f"P freed the blocks of a read still in flight {1.5 * lease_s:.0f}s into a {lease_s}s lease, "
         f"though D sent {_heartbeats(nixl_agent)} heartbeats"
@@ -411,6 +410,7 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
     )
     assert step_until([d, p], lambda: req.is_finished()), f"D's request whose read failed never finished ({req.status})"
     assert req.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ERROR), req.status
+    nixl_clock.install(monkeypatch).advance(lease_s + 0.5)  # the lease ends on the release's clock
     assert step_until([d, p], lambda: "failed-read" not in p.scheduler.requests), (
         f"P still holds the blocks of a read that failed, past its {lease_s}s lease"
     )
@@ -469,6 +469,7 @@ def test_a_failed_handshake_does_not_hang_the_decode_and_the_next_request_reads(
     if nixl_stats_count("num_failed_transfers"):
         counted = nixl_counted(d.kv_outputs, "num_failed_transfers")
         assert counted == 0, f"D's Nixl stats count {counted} failed transfers where no transfer was made"
+    nixl_clock.install(monkeypatch).advance(lease_s + 0.5)  # the lease ends on the release's clock
     assert step_until([d, p], lambda: "bad-handshake" not in p.scheduler.requests), (
         f"P still holds the blocks nobody read, past its {lease_s}s lease"
     )
