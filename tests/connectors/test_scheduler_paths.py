@@ -452,3 +452,44 @@ def test_a_pause_for_new_requests_lets_a_load_finish_and_queues_new_ones(engine,
     engine.run(["pause-new"])
     assert queued.status == RequestStatus.FINISHED_LENGTH_CAPPED, queued.status
     assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------
+# 11. the pair's loads are asynchronous: the worker starts them after the forward
+# ---------------------------------------------------------------------------
+def test_the_pairs_loads_start_after_the_forward_not_ahead_of_it(engine, transport, monkeypatch):
+    """Both children load asynchronously (a NIXL read, a CPU-tier copy), so no step has a load the forward
+    must wait for: the model runner starts the connectors' loads after it has launched the forward, which
+    keeps their submission (the CPU tier's block copies, ~5 ms) off the forward's critical path (the
+    release's ActiveKVConnector.pre_forward / post_forward; SimpleCPUOffloadWorker.start_load_kv).  On
+    every step, with requests admitted fresh, loaded from the CPU tier and decoding, the worker's
+    MultiConnector starts its loads only once the forward's layers have run; both requests finish and
+    nothing leaks."""
+    hit = token_ids(3 * BLOCK + 5, start=5100)
+    stored_prefix(engine, hit, "after-fwd-src")
+    calls: dict[int, list[str]] = {}  # step (its SchedulerOutput's index) -> worker calls, in order
+
+    def record(name: str) -> None:
+        real = getattr(engine.worker, name)
+
+        def call(*args, **kwargs):
+            calls.setdefault(len(engine.sched_outputs), []).append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine.worker, name, call)
+
+    record("start_load_kv")
+    record("wait_for_layer_load")
+    loads = len(transport.loads())
+    engine.scheduler.add_request(va.make_request("after-fwd-load", hit, max_tokens=3))
+    engine.scheduler.add_request(va.make_request("after-fwd-fresh", token_ids(BLOCK + 3, start=5300), max_tokens=3))
+    engine.run(["after-fwd-load", "after-fwd-fresh"])
+    assert len(transport.loads()) > loads, "scenario not built: nothing was loaded from the CPU tier"
+    forwards = {step: seq for step, seq in calls.items() if "wait_for_layer_load" in seq and "start_load_kv" in seq}
+    assert forwards, f"scenario not built: no step ran both a forward and the connectors' loads ({calls})"
+    early = sorted(s for s, seq in forwards.items() if seq.index("start_load_kv") < seq.index("wait_for_layer_load"))
+    assert not early, (
+        f"steps {early} started the connectors' (asynchronous) loads ahead of the forward, as if a synchronous "
+        "load had to land first"
+    )
+    assert_no_leak(engine)
