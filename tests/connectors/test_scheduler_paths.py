@@ -1,6 +1,7 @@
 """The Scheduler's connector paths, under MultiConnector(Nixl + CPU offload): how a failed load ends, what the
 Scheduler keeps of a load once it is over, when it tells the engine it still has work, how a reset and a
-shutdown reach the connectors.
+shutdown reach the connectors, and when a load is admitted (a pool only just big enough, a full running
+batch, a pause for new requests).
 
 These are contracts on the release's Scheduler (vllm/v1/core/sched/scheduler.py) for what its connectors
 report: a regression there turns one of them red.  Engines are the release's Scheduler with the
@@ -24,6 +25,7 @@ from kvcompat.testkit.adapter import children as ch
 from conftest import (
     BLOCK,
     PREFILLED,
+    a_load_held_in_flight,
     assert_no_leak,
     can_reset_connectors,
     fail_a_loaded_block,
@@ -335,3 +337,167 @@ def test_block_level_load_failures_are_refused_on_a_multi_group_model(make_engin
                 engine.step()  # the step whose output reports the failed block, if not this one
                 break
     assert failed, "scenario not built: the CPU-offload child's load never completed"
+
+
+# ---------------------------------------------------------------------------
+# 8. loads that fill the pool still finish, one after the other
+# ---------------------------------------------------------------------------
+def test_two_cpu_tier_loads_in_a_pool_that_finishes_one_at_a_time_both_finish(make_engine, transport):
+    """Two requests whose prefixes are in the CPU tier arrive together on an engine whose KV pool holds
+    both loads and the one block the first still needs to finish its prompt, but not both whole prompts.
+    A load holds its blocks, with no forward progress, until it can finish its prompt: the block kept for
+    the first load goes to it once its KV is in, it runs and frees its blocks, and then the second runs.
+    Both requests finish (neither waits forever for a block the other holds), in arrival order, and the
+    engine is back at its idle baseline."""
+    from vllm.v1.request import RequestStatus
+
+    prompts = [token_ids(3 * BLOCK + 5, start=3700), token_ids(3 * BLOCK + 5, start=3900)]
+    # 7 usable blocks (block 0 is the pool's null block).  A load takes the prompt's 3 full blocks; the
+    # prompt's last 5 tokens need a 4th: 3 + 3 + 1 fit, 4 + 4 do not.
+    with user_configuration("MultiConnector(Nixl, CPU offload) on a KV pool of 8 blocks"):
+        engine = make_engine(num_blocks=8)
+    assert engine.baseline_free == 7, f"scenario not built: {engine.baseline_free} free blocks, want 7"
+    for i, prompt in enumerate(prompts):
+        stored_prefix(engine, prompt, f"tight-src-{i}")
+    loads = len(transport.loads())
+    reqs = [va.make_request(f"tight-{i}", prompt, max_tokens=2) for i, prompt in enumerate(prompts)]
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    engine.step()
+    assert reqs[0].status == RequestStatus.WAITING_FOR_REMOTE_KVS, (
+        f"scenario not built: the first request did not start loading from the CPU tier ({reqs[0].status})"
+    )
+    engine.run(["tight-0", "tight-1"])
+    assert len(transport.loads()) > loads, "scenario not built: nothing was loaded from the CPU tier"
+    for req in reqs:
+        assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED, f"{req.request_id} ended {req.status}"
+        assert len(req.output_token_ids) == 2, f"{req.request_id} produced {len(req.output_token_ids)} of 2 tokens"
+    first = [
+        min(i for i, so in enumerate(engine.sched_outputs) if r.request_id in so.num_scheduled_tokens) for r in reqs
+    ]
+    assert first[0] <= first[1], f"the later request ran first (steps {first})"
+    assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------
+# 9. without max_num_inflight_kv_loads, a load waits for a running slot
+# ---------------------------------------------------------------------------
+def test_without_an_inflight_load_cap_a_load_waits_for_a_free_running_slot(engine, transport):
+    """The running batch is full (max_num_seqs requests decoding) when a request whose prefix is in the
+    CPU tier arrives.  Only --max-num-inflight-kv-loads lets such a request start loading while the
+    batch is full (the connector API's may_load_async says so); without it (the suite's SchedulerConfig
+    default) its load waits for a running slot, so it holds no blocks no slot can use yet.  Once a slot
+    is free it loads and runs to its end; nothing leaks."""
+    from vllm.v1.request import RequestStatus
+
+    cap = getattr(engine.scheduler.scheduler_config, "max_num_inflight_kv_loads", None)  # no such knob before 0.34
+    assert cap is None, f"scenario not built: the engine caps in-flight KV loads at {cap}"
+    hit = token_ids(3 * BLOCK + 5, start=4100)
+    stored_prefix(engine, hit, "slot-src")
+    slots = engine.scheduler.scheduler_config.max_num_seqs
+    decoding = [f"slot-busy-{i}" for i in range(slots)]
+    for i, rid in enumerate(decoding):  # under one block each, prompt and output: nothing to store
+        engine.scheduler.add_request(va.make_request(rid, token_ids(8, start=4300 + 10 * i), max_tokens=12))
+    engine.step()
+    assert len(engine.scheduler.running) == slots, "scenario not built: the batch is not full"
+    loads = len(transport.loads())
+    req = va.make_request("slot-load", hit, max_tokens=2)
+    engine.scheduler.add_request(req)
+    while len(engine.scheduler.running) >= slots:
+        engine.step()
+        assert req.status == RequestStatus.WAITING and req.num_computed_tokens == 0, (
+            f"the request started its KV load while every running slot was taken ({req.status}), "
+            "without --max-num-inflight-kv-loads"
+        )
+    engine.run(["slot-load", *decoding])
+    assert len(transport.loads()) > loads, "scenario not built: the request's prefix was not loaded from the CPU tier"
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED, req.status
+    assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------
+# 10. pausing new requests lets a load finish and keeps new requests queued
+# ---------------------------------------------------------------------------
+def test_a_pause_for_new_requests_lets_a_load_finish_and_queues_new_ones(engine, transport):
+    """The engine is paused for new requests (EngineCore's pause in "wait" mode: PAUSED_NEW) while a
+    request's KV load from the CPU tier is in flight.  The request holding loaded blocks still finishes;
+    a request that arrives during the pause is not started, and the engine says it has no more work
+    (so the pause's wait for the drain ends).  After the pause the queued request runs; nothing leaks."""
+    from vllm.v1.core.sched import interface
+    from vllm.v1.request import RequestStatus
+
+    PauseState = getattr(interface, "PauseState", None)
+    if PauseState is None or not hasattr(engine.scheduler, "set_pause_state"):
+        not_applicable("this release's Scheduler has no pause state (PauseState, set_pause_state)")
+    if not hasattr(engine.scheduler, "kv_holding_waiting"):  # explicit probe: the queue PAUSED_NEW still drains
+        not_applicable("in this release a pause for new requests schedules only running requests (PauseState)")
+    loading, _ = a_load_held_in_flight(engine, transport, token_ids(3 * BLOCK + 5, start=4700), "pause-load")
+    assert loading.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"scenario not built: {loading.status}"
+    engine.scheduler.set_pause_state(PauseState.PAUSED_NEW)
+    queued = va.make_request("pause-new", token_ids(BLOCK + 3, start=4900), max_tokens=2)
+    engine.scheduler.add_request(queued)
+    transport.release()
+    for _ in patient_steps(40):
+        if loading.is_finished():
+            break
+        engine.step()
+    assert loading.status == RequestStatus.FINISHED_LENGTH_CAPPED, (
+        f"the request whose KV was loading did not finish during the pause: {loading.status}"
+    )
+    scheduled = [i for i, so in enumerate(engine.sched_outputs) if "pause-new" in so.num_scheduled_tokens]
+    assert not scheduled and queued.status == RequestStatus.WAITING and queued.num_computed_tokens == 0, (
+        f"a request that arrived while new requests were paused was started (steps {scheduled}, {queued.status})"
+    )
+    assert engine.scheduler.get_num_unfinished_requests() == 0, (
+        "paused for new requests, the engine still reports work once the loading request finished: "
+        "the pause's wait for the drain never ends"
+    )
+    engine.scheduler.set_pause_state(PauseState.UNPAUSED)
+    engine.run(["pause-new"])
+    assert queued.status == RequestStatus.FINISHED_LENGTH_CAPPED, queued.status
+    assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------
+# 11. the pair's loads are asynchronous: the worker starts them after the forward
+# ---------------------------------------------------------------------------
+def test_the_pairs_loads_start_after_the_forward_not_ahead_of_it(engine, transport, monkeypatch):
+    """Both children load asynchronously (a NIXL read, a CPU-tier copy), so no step has a load the forward
+    must wait for: the model runner starts the connectors' loads after it has launched the forward, which
+    keeps their submission (the CPU tier's block copies, ~5 ms) off the forward's critical path (the
+    release's ActiveKVConnector.pre_forward / post_forward; SimpleCPUOffloadWorker.start_load_kv).  On
+    every step, with requests admitted fresh, loaded from the CPU tier and decoding, the worker's
+    MultiConnector starts its loads only once the forward's layers have run; both requests finish and
+    nothing leaks."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    if "has_sync_kv_loads" not in va.capabilities._field_names(SchedulerOutput):
+        not_applicable("this release's model runner starts the connectors' loads before every forward")
+    hit = token_ids(3 * BLOCK + 5, start=5100)
+    stored_prefix(engine, hit, "after-fwd-src")
+    calls: dict[int, list[str]] = {}  # step (its SchedulerOutput's index) -> worker calls, in order
+
+    def record(name: str) -> None:
+        real = getattr(engine.worker, name)
+
+        def call(*args, **kwargs):
+            calls.setdefault(len(engine.sched_outputs), []).append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine.worker, name, call)
+
+    record("start_load_kv")
+    record("wait_for_layer_load")
+    loads = len(transport.loads())
+    engine.scheduler.add_request(va.make_request("after-fwd-load", hit, max_tokens=3))
+    engine.scheduler.add_request(va.make_request("after-fwd-fresh", token_ids(BLOCK + 3, start=5300), max_tokens=3))
+    engine.run(["after-fwd-load", "after-fwd-fresh"])
+    assert len(transport.loads()) > loads, "scenario not built: nothing was loaded from the CPU tier"
+    forwards = {step: seq for step, seq in calls.items() if "wait_for_layer_load" in seq and "start_load_kv" in seq}
+    assert forwards, f"scenario not built: no step ran both a forward and the connectors' loads ({calls})"
+    early = sorted(s for s, seq in forwards.items() if seq.index("start_load_kv") < seq.index("wait_for_layer_load"))
+    assert not early, (
+        f"steps {early} started the connectors' (asynchronous) loads ahead of the forward, as if a synchronous "
+        "load had to land first"
+    )
+    assert_no_leak(engine)
