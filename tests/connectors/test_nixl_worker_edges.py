@@ -22,6 +22,8 @@ from conftest import (
     NUM_GPU_BLOCKS,
     PREFILLED,
     assert_no_leak,
+    nixl_counted,
+    nixl_stats_count,
     step_until,
     token_ids,
 )
@@ -241,8 +243,16 @@ def test_a_decode_holding_all_but_the_last_prompt_token_reads_that_token_from_th
     p, d = make_pd()
     prompt = token_ids(2 * BLOCK + 1, start=4500)
     d.scheduler.add_request(va.make_request("d-holds-the-head", prompt[: 2 * BLOCK], max_tokens=1))
+    (new,) = d.step().scheduled_new_reqs
+    head = va.group_block_ids(new.block_ids)[:2]
     d.run(["d-holds-the-head"])
     d.settle()
+    # Every block D may allocate for the last token holds MARK before the read can start (it may start, and
+    # complete, within the step that allocates the block).
+    for cache in d.ranks[0].kv_caches.values():
+        for b in range(1, NUM_GPU_BLOCKS):
+            if b not in head:
+                va.kv_cache_block(cache, b).fill_(MARK)
     with setup_owned_by(PREFILLED):
         params = p.prefill("last-token", prompt)
     p_last = va.group_block_ids(params["remote_block_ids"])[-1]
@@ -255,9 +265,9 @@ def test_a_decode_holding_all_but_the_last_prompt_token_reads_that_token_from_th
         f"D did not wait for the one prompt token P computed ({req.status}, {req.num_computed_tokens} computed)"
     )
     d_blocks = va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids("last-token"))
-    assert len(d_blocks) == 3, f"D holds blocks {d_blocks} for a prompt of two blocks and one token"
-    for cache in d.ranks[0].kv_caches.values():
-        va.kv_cache_block(cache, d_blocks[2]).fill_(MARK)
+    assert len(d_blocks) == 3 and d_blocks[:2] == head, (
+        f"D holds blocks {d_blocks} for a prompt of two blocks and one token whose first two it cached in {head}"
+    )
     assert step_until([d, p], lambda: _received(d, "last-token") or req.is_finished()), "D's read never finished"
     assert _count(d, "make_prepped_xfer") > reads, "D did not read the last prompt token over NIXL"
     for layer, cache in d.ranks[0].kv_caches.items():
@@ -305,3 +315,37 @@ def test_a_remote_prefill_without_a_remote_request_id_neither_breaks_the_decode_
         "P kept the blocks of the request D could not name past their lease"
     )
     assert_no_leak(p)
+
+
+# ---------------------------------------------------------------------------
+# 6. a read after the prefill's lease ran out
+# ---------------------------------------------------------------------------
+def test_a_decode_that_reads_after_the_prefills_lease_ran_out_does_not_break_the_prefill(
+    make_pd, nixl_agent, monkeypatch
+):
+    """P holds a prefilled request's blocks for kv_lease_duration (2 s here) and frees them when no decode
+    has read them by then.  A decode that reads them later anyway (a slow router, a long queue on D) sends
+    P a notification for a request P no longer knows.  The user expects P to go on serving: its steps do
+    not fail, its Nixl stats count one notification after expiry (where the release has that count), and
+    its next request is read by D token for token; D's late request finishes, and nothing leaks."""
+    lease_s = 2
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
+    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    clock = nixl_clock.install(monkeypatch)
+    prompt = token_ids(3 * BLOCK + 5, start=4800)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("late", prompt)
+    clock.advance(lease_s + 0.5)
+    assert step_until([p], lambda: "late" not in p.scheduler.requests), "P kept the blocks past their lease"
+    reads = _count(d, "make_prepped_xfer")
+    req = va.make_request("late", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    assert step_until([d, p], lambda: req.is_finished()), f"D's late request never finished ({req.status})"
+    assert _count(d, "make_prepped_xfer") > reads, "D did not read the late request over NIXL: no scenario"
+    for _ in range(3):
+        p.step()
+    if nixl_stats_count("num_notifications_after_expiry"):
+        counted = nixl_counted(p.kv_outputs, "num_notifications_after_expiry")
+        assert counted == 1, f"P's Nixl stats count {counted} notifications after expiry for one late read"
+    _read_token_for_token(p, d, "after-late", token_ids(2 * BLOCK + 3, start=4900))
+    assert_no_leak(p, d)
