@@ -25,6 +25,7 @@ from conftest import (
     nixl_counted,
     nixl_stats_count,
     step_until,
+    stored_prefix,
     token_ids,
 )
 
@@ -348,4 +349,37 @@ def test_a_decode_that_reads_after_the_prefills_lease_ran_out_does_not_break_the
         counted = nixl_counted(p.kv_outputs, "num_notifications_after_expiry")
         assert counted == 1, f"P's Nixl stats count {counted} notifications after expiry for one late read"
     _read_token_for_token(p, d, "after-late", token_ids(2 * BLOCK + 3, start=4900))
+    assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 7. a decode served from its CPU tier whose prefill cannot be reached
+# ---------------------------------------------------------------------------
+def test_a_decode_served_from_its_cpu_tier_keeps_no_trace_of_a_prefill_it_cannot_reach(
+    make_pd, nixl_agent, monkeypatch
+):
+    """D keeps the prompt in its CPU tier and MultiConnector lets the CPU-offload child load it (it comes
+    first), so Nixl has only to tell P to free its blocks; but D is sent to P under an engine id P does
+    not answer to (a proxy holding a stale id), so that handshake fails.  The user expects D to serve the
+    request from its CPU tier all the same, P to free the blocks nobody read when their lease ends, and
+    neither engine to keep any trace of the request (its Nixl worker included)."""
+    lease_s = 2
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
+    p, d = make_pd(order="offload-first", nixl_extra_config={"kv_lease_duration": lease_s})
+    clock = nixl_clock.install(monkeypatch)
+    prompt = token_ids(3 * BLOCK + 5, start=5000)
+    stored_prefix(d, prompt, "tier-src")
+    loads = len(d.transfers.loads())
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("tier-stale-p", prompt)
+    stale = {**params, "remote_engine_id": params["remote_engine_id"] + "-restarted"}
+    req = va.make_request("tier-stale-p", prompt, max_tokens=2, kv_transfer_params=stale)
+    d.scheduler.add_request(req)
+    assert step_until([d, p], lambda: req.is_finished()), f"D never finished the request ({req.status})"
+    assert len(d.transfers.loads()) > loads, "D did not load the prompt from its CPU tier: no scenario"
+    assert req.num_output_tokens == 2, f"D's request served from its CPU tier ended {req.status}"
+    clock.advance(lease_s + 0.5)
+    assert step_until([d, p], lambda: "tier-stale-p" not in p.scheduler.requests), (
+        "P kept the blocks nobody read past their lease"
+    )
     assert_no_leak(p, d)
