@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import nixl_clock, not_applicable, setup_owned_by
@@ -383,3 +384,37 @@ def test_a_decode_served_from_its_cpu_tier_keeps_no_trace_of_a_prefill_it_cannot
         "P kept the blocks nobody read past their lease"
     )
     assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 8. CPU core reserved for KV transfer
+# ---------------------------------------------------------------------------
+def test_a_cpu_nixl_worker_reserves_the_last_core_of_each_numa_node_for_kv_transfer(make_engine, monkeypatch):
+    """On CPU, the Nixl worker reserves cores for KV transfer apart from the model's forward pass: it pins
+    the thread that builds it (the one that then drives start_load_kv) to the last core of each NUMA node
+    the platform reports.  A CPU deployment expects that placement.  (The harness gives the test process
+    its cores back right after building a worker, kvcompat.testkit.adapter.worker._affinity_kept, so the
+    pinning is seen as the worker's request to the OS, passed through unchanged.)"""
+    import os
+
+    from vllm.platforms import current_platform
+
+    if not hasattr(os, "sched_setaffinity") or current_platform.device_type != "cpu":
+        not_applicable("no CPU platform with thread affinity here")
+    if "sched_setaffinity" not in inspect.getsource(importlib.import_module(va.nixl_wrapper_target()[0])):
+        not_applicable("this release's Nixl worker reserves no CPU core")
+    want = {max(node) for node in current_platform.discover_numa_topology() if node}
+    if not want:
+        not_applicable("the platform reports no NUMA node")
+    real, asked = os.sched_setaffinity, []
+
+    def sched_setaffinity(pid, cores):
+        asked.append((pid, set(cores)))
+        return real(pid, cores)
+
+    monkeypatch.setattr(os, "sched_setaffinity", sched_setaffinity)
+    make_engine(engine_id="kvcompat-cpu-cores")
+    assert asked and asked[0] == (0, want), (
+        f"building the Nixl worker asked the OS for {asked[:1] or 'no pinning'}; want the calling thread (0) "
+        f"on cores {sorted(want)}"
+    )
