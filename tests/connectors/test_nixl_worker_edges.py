@@ -418,3 +418,36 @@ def test_a_cpu_nixl_worker_reserves_the_last_core_of_each_numa_node_for_kv_trans
         f"building the Nixl worker asked the OS for {asked[:1] or 'no pinning'}; want the calling thread (0) "
         f"on cores {sorted(want)}"
     )
+
+
+# ---------------------------------------------------------------------------
+# 9. a decode with bigger blocks, and params without remote_num_tokens
+# ---------------------------------------------------------------------------
+def test_a_decode_with_bigger_blocks_declines_a_read_without_remote_num_tokens(make_pd, nixl_agent, monkeypatch):
+    """D's blocks are twice P's, and the proxy does not forward ``remote_num_tokens`` (which D needs to pair
+    P's blocks with its own from the last token).  The user expects D to decline that read rather than
+    guess: no NIXL read, the request finishes (recomputed, or ended as the release's load-failure policy
+    says) and D keeps serving: a complete request sent next is read token for token; P frees the unread
+    blocks when their lease ends, and nothing leaks."""
+    from vllm.v1.request import RequestStatus
+
+    lease_s = 2
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
+    p, d = make_pd(decode={"block_size": 2 * BLOCK}, nixl_extra_config={"kv_lease_duration": lease_s})
+    clock = nixl_clock.install(monkeypatch)
+    prompt = token_ids(4 * BLOCK + BLOCK // 2, start=5200)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("no-num-tokens", prompt)
+    if "remote_num_tokens" not in params:
+        not_applicable("this release's prefill sends no remote_num_tokens")
+    del params["remote_num_tokens"]
+    reads = _count(d, "make_prepped_xfer")
+    req = va.make_request("no-num-tokens", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    assert step_until([d, p], lambda: req.is_finished()), f"D's request stayed {req.status}"
+    assert req.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ERROR), req.status
+    assert _count(d, "make_prepped_xfer") == reads, "D read P's blocks without remote_num_tokens to pair them"
+    clock.advance(lease_s + 0.5)
+    assert step_until([d, p], lambda: "no-num-tokens" not in p.scheduler.requests), "P kept the unread blocks"
+    _read_token_for_token(p, d, "with-num-tokens", token_ids(4 * BLOCK + BLOCK // 2, start=5300))
+    assert_no_leak(p, d)
