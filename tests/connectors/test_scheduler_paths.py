@@ -501,3 +501,29 @@ def test_the_pairs_loads_start_after_the_forward_not_ahead_of_it(engine, transpo
         "load had to land first"
     )
     assert_no_leak(engine)
+
+
+# ---------------------------------------------------------------------------
+# 12. a request whose KV was loaded goes to the workers as a new request
+# ---------------------------------------------------------------------------
+def test_a_request_whose_kv_was_loaded_goes_to_the_workers_as_a_new_request(engine, transport):
+    """A request that waited for its KV (here from the CPU tier) has never run, so when its load is done the
+    Scheduler hands it to the workers as a new request, with its prompt and its block table: the model
+    runner holds no state for it that a resumed request would continue from (a runner given an unknown
+    request to resume fails).  It then runs to its end and nothing leaks."""
+    req, _ = a_load_held_in_flight(engine, transport, token_ids(3 * BLOCK + 5, start=5100), "new-after-load")
+    loading_steps = len(engine.sched_outputs)
+    transport.release()
+    assert step_until(
+        [engine],
+        lambda: any("new-after-load" in so.num_scheduled_tokens for so in engine.sched_outputs[loading_steps:]),
+        max_steps=40,
+    ), f"the request whose load completed was never scheduled ({req.status})"
+    so = next(so for so in engine.sched_outputs[loading_steps:] if "new-after-load" in so.num_scheduled_tokens)
+    new = {r.req_id for r in so.scheduled_new_reqs}
+    resumed = set(getattr(so.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
+    assert "new-after-load" in new and "new-after-load" not in resumed, (
+        f"the request, never run before its load, went to the workers as {'resumed' if 'new-after-load' in resumed else 'neither new nor resumed'}"
+    )
+    engine.run(["new-after-load"])
+    assert_no_leak(engine)
