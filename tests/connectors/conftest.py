@@ -523,6 +523,14 @@ def stored_prefix(engine: Engine, prompt: list[int], req_id: str) -> None:
         assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine settled"
 
 
+def nixl_lease(monkeypatch, seconds: int) -> dict[str, Any]:
+    """Nixl's lease on a prefill's unread blocks set to ``seconds`` by the knob each release reads:
+    VLLM_NIXL_ABORT_REQUEST_TIMEOUT before 0.20 (set here), ``kv_lease_duration`` in the Nixl child's extra
+    config from 0.20 (returned, for ``make_pd`` / ``make_engine``'s ``nixl_extra_config``)."""
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(seconds))
+    return {"kv_lease_duration": seconds}
+
+
 def can_reset_connectors(engine) -> None:
     """Explicit probe: the release can reset the connectors' caches through the scheduler."""
     if not hasattr(ch.base_class(), "reset_cache"):

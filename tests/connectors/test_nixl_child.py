@@ -27,6 +27,7 @@ from conftest import (
     PREFILLED,
     assert_no_leak,
     nixl_counted,
+    nixl_lease,
     nixl_stats_count,
     pd_read_is_byte_exact,
     step_until,
@@ -245,6 +246,19 @@ def _lease_knob() -> str | None:
     return None
 
 
+def _a_read_held_in_flight(p, d, nixl_agent, req_id: str, prompt: list[int]):
+    """P prefills ``prompt`` and D, given P's kv_transfer_params, starts reading it over NIXL; the fake
+    transport holds the read in flight (the test lowers ``polls_until_done`` to let it complete).  Returns
+    D's request."""
+    with setup_owned_by(PREFILLED):
+        params = p.prefill(req_id, prompt)
+    nixl_agent.polls_until_done = NEVER
+    req = va.make_request(req_id, prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    assert step_until([d, p], lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
+    return req
+
+
 def _heartbeats(nixl_agent) -> int:
     """Lease-renewal heartbeats ("HB:<request ids>" notifications) the fake NIXL agents were asked to send."""
     return sum(
@@ -263,8 +277,7 @@ def test_prefill_frees_the_blocks_when_the_lease_expires(make_engine, monkeypatc
     if knob is None:
         not_applicable("this release's Nixl code has no lease or abort timeout for unread blocks")
     lease_s = 2
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
-    engine = make_engine(nixl_extra_config={"kv_lease_duration": lease_s})
+    engine = make_engine(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
     prompt = token_ids(2 * BLOCK + 3)
     engine.scheduler.add_request(
         va.make_request("lease-0", prompt, max_tokens=1, kv_transfer_params=va.remote_decode_params())
@@ -296,11 +309,7 @@ def test_decode_heartbeats_keep_the_prefill_blocks_past_the_lease_while_its_read
     lease_s = 2  # the heartbeat interval is lease // 6 = 0: D heartbeats on every step
     p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
     prompt = token_ids(3 * BLOCK + 5, start=360)
-    with setup_owned_by(PREFILLED):
-        params = p.prefill("hb-read", prompt)
-    nixl_agent.polls_until_done = NEVER
-    d.scheduler.add_request(va.make_request("hb-read", prompt, max_tokens=2, kv_transfer_params=params))
-    assert step_until([d, p], lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
+    _a_read_held_in_flight(p, d, nixl_agent, "hb-read", prompt)
     clock = nixl_clock.install(monkeypatch)  # 1.5 leases pass on the release's clock, a step at a time
     for _ in range(12):  # P's own lease ran out a third of the way into this window
         clock.advance(1.5 * lease_s / 12)
@@ -356,12 +365,7 @@ def test_a_decode_read_over_nixl_waits_for_the_read_though_its_cpu_tier_holds_th
     prompt = token_ids(3 * BLOCK + 5, start=820)
     stored_prefix(d, prompt, "tier-and-nixl-src")
     cpu_loads_before = len(d.transfers.loads())
-    with setup_owned_by(PREFILLED):
-        params = p.prefill("tier-and-nixl", prompt)
-    nixl_agent.polls_until_done = NEVER
-    req = va.make_request("tier-and-nixl", prompt, max_tokens=2, kv_transfer_params=params)
-    d.scheduler.add_request(req)
-    assert step_until([d, p], lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
+    req = _a_read_held_in_flight(p, d, nixl_agent, "tier-and-nixl", prompt)
     for _ in range(5):
         d.step()
         p.step()
@@ -385,8 +389,7 @@ def test_a_failed_nixl_read_is_not_used_and_releases_both_sides(make_pd, nixl_ag
     from vllm.v1.request import RequestStatus
 
     lease_s = 2
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))  # the lease's knob before 0.20
-    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
     prompt = token_ids(3 * BLOCK + 5, start=700)
     with setup_owned_by(PREFILLED):
         params = p.prefill("failed-read", prompt)
@@ -453,8 +456,7 @@ def test_a_failed_handshake_does_not_hang_the_decode_and_the_next_request_reads(
     from vllm.v1.request import RequestStatus
 
     lease_s = 2
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))  # the lease's knob before 0.20
-    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
     prompt = token_ids(3 * BLOCK + 5, start=1500)
     with setup_owned_by(PREFILLED):
         params = p.prefill("bad-handshake", prompt)
@@ -514,12 +516,7 @@ def test_decode_abort_while_waiting_for_remote_kv_releases_both_sides(pd, nixl_a
 
     p, d = pd
     prompt = token_ids(3 * BLOCK + 5, start=340)
-    with setup_owned_by(PREFILLED):
-        params = p.prefill("abort-waiting", prompt)
-    nixl_agent.polls_until_done = NEVER
-    req = va.make_request("abort-waiting", prompt, max_tokens=2, kv_transfer_params=params)
-    d.scheduler.add_request(req)
-    assert step_until([d, p], lambda: _reads(nixl_agent) > 0, max_steps=50), "D's Nixl worker never started the read"
+    req = _a_read_held_in_flight(p, d, nixl_agent, "abort-waiting", prompt)
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, req.status
     d.scheduler.finish_requests("abort-waiting", RequestStatus.FINISHED_ABORTED)
     nixl_agent.polls_until_done = 1

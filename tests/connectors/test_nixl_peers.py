@@ -23,6 +23,7 @@ from conftest import (
     PREFILLED,
     assert_no_leak,
     nixl_counted,
+    nixl_lease,
     nixl_stats_count,
     step_until,
     token_ids,
@@ -192,8 +193,7 @@ def test_a_prefill_whose_nixl_metadata_broke_is_released_and_read_again_after_on
     says), and nothing leaks."""
     _needs("check_remote_metadata", "check of a failed peer's local NIXL metadata")
     lease_s = 2
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
-    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
     clock = nixl_clock.install(monkeypatch)
     prompt = token_ids(3 * BLOCK + 5, start=1700)
     with setup_owned_by(PREFILLED):
@@ -274,8 +274,7 @@ def test_a_nixl_read_that_errors_anywhere_finishes_the_request_and_releases_ever
     "a status error does not guarantee that the backend stopped DMA", and that is what is held here.)"""
     _needs("_try_release_xfer_handle", "retention of a transfer handle whose release failed")
     lease_s = 2
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
-    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
     clock = nixl_clock.install(monkeypatch)
     faults = _Faults(monkeypatch, nixl_agent)
     cases = [  # (case, posts, polls, releases, ends in ERR, held in flight)
@@ -545,8 +544,7 @@ def test_a_prefill_invalidated_again_soon_is_refused_for_its_backoff_then_read(m
     assert getattr(module, "_INVALID_PEER_MIN_BACKOFF_S", None) == 1.0, "the release's first backoff is not 1 s"
     longest = 3.0
     monkeypatch.setattr(module, "_INVALID_PEER_MAX_BACKOFF_S", longest)
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "2")
-    p, d = make_pd(nixl_extra_config={"kv_lease_duration": 2})
+    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, 2))
     clock = nixl_clock.install(monkeypatch)
     pd = _Backoff(p, d, nixl_agent, clock)
     pd.broken_read()

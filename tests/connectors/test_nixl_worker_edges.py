@@ -24,6 +24,7 @@ from conftest import (
     PREFILLED,
     assert_no_leak,
     nixl_counted,
+    nixl_lease,
     nixl_stats_count,
     step_until,
     stored_prefix,
@@ -308,8 +309,7 @@ def test_a_remote_prefill_without_a_remote_request_id_neither_breaks_the_decode_
     request itself is not held here: in 0.34.0 it stays waiting for remote KV, and an abort of it leaves
     its blocks held on D, as no load was ever started that could report them free.)"""
     lease_s = 2
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
-    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
     clock = nixl_clock.install(monkeypatch)
     prompt = token_ids(3 * BLOCK + 5, start=4600)
     with setup_owned_by(PREFILLED):
@@ -342,8 +342,7 @@ def test_a_decode_that_reads_after_the_prefills_lease_ran_out_does_not_break_the
     not fail, its Nixl stats count one notification after expiry (where the release has that count), and
     its next request is read by D token for token; D's late request finishes, and nothing leaks."""
     lease_s = 2
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
-    p, d = make_pd(nixl_extra_config={"kv_lease_duration": lease_s})
+    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
     clock = nixl_clock.install(monkeypatch)
     prompt = token_ids(3 * BLOCK + 5, start=4800)
     with setup_owned_by(PREFILLED):
@@ -376,8 +375,7 @@ def test_a_decode_served_from_its_cpu_tier_keeps_no_trace_of_a_prefill_it_cannot
     request from its CPU tier all the same, P to free the blocks nobody read when their lease ends, and
     neither engine to keep any trace of the request (its Nixl worker included)."""
     lease_s = 2
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
-    p, d = make_pd(order="offload-first", nixl_extra_config={"kv_lease_duration": lease_s})
+    p, d = make_pd(order="offload-first", nixl_extra_config=nixl_lease(monkeypatch, lease_s))
     clock = nixl_clock.install(monkeypatch)
     prompt = token_ids(3 * BLOCK + 5, start=5000)
     stored_prefix(d, prompt, "tier-src")
@@ -445,8 +443,7 @@ def test_a_decode_with_bigger_blocks_declines_a_read_without_remote_num_tokens(m
     if "Declining remote reads" not in _nixl_source():
         not_applicable("this release's Nixl worker does not decline reads it cannot pair without remote_num_tokens")
     lease_s = 2
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(lease_s))
-    p, d = make_pd(decode={"block_size": 2 * BLOCK}, nixl_extra_config={"kv_lease_duration": lease_s})
+    p, d = make_pd(decode={"block_size": 2 * BLOCK}, nixl_extra_config=nixl_lease(monkeypatch, lease_s))
     clock = nixl_clock.install(monkeypatch)
     prompt = token_ids(4 * BLOCK + BLOCK // 2, start=5200)
     with setup_owned_by(PREFILLED):

@@ -29,6 +29,7 @@ from conftest import (
     assert_no_leak,
     can_reset_connectors,
     fail_a_loaded_block,
+    nixl_lease,
     patient_steps,
     step_until,
     stored_prefix,
@@ -78,9 +79,8 @@ def test_a_failed_load_under_hma_ends_the_request_in_error(make_pd, nixl_agent, 
 
     if not _has_output_field("failed_recving"):
         not_applicable("this release's KVConnectorOutput has no failed_recving (no failed-receive reporting)")
-    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", str(LEASE_S))  # the lease's knob before 0.20
     with user_configuration("P/D of a hybrid model (sliding window) with MultiConnector(Nixl, CPU offload), HMA on"):
-        p, d = make_pd(nixl_extra_config={"kv_lease_duration": LEASE_S}, **HYBRID)
+        p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, LEASE_S), **HYBRID)
     _require_hma_pair(d)
     assert va.hma_enabled(d.vllm_config) and len(d.kv_cache_config.kv_cache_groups) == 2, (
         "scenario not built: the hybrid model did not get two KV-cache groups with HMA on"
