@@ -523,6 +523,20 @@ def stored_prefix(engine: Engine, prompt: list[int], req_id: str) -> None:
         assert engine.scheduler.reset_prefix_cache(), "GPU blocks still held after the engine settled"
 
 
+# make_engine / make_pd keywords for a hybrid model (a full-attention and a sliding-window group), HMA on
+HYBRID = {"sliding_window": 4 * BLOCK, "disable_hybrid_kv_cache_manager": False}
+
+
+def require_hma_pair(engine) -> None:
+    """Explicit probe: every child MultiConnector builds implements SupportsHMA (else no hybrid model can be
+    served by the pair, and the HMA scenarios cannot arise)."""
+    MultiConnector, _ = va.multi_classes()
+    kids = MultiConnector._get_connector_classes_and_configs(engine.vllm_config)
+    lacking = [cls.__name__ for cls, _ in kids if not va.supports_hma(cls)]
+    if lacking:
+        not_applicable(f"{', '.join(lacking)} does not implement SupportsHMA in this release")
+
+
 def nixl_lease(monkeypatch, seconds: int) -> dict[str, Any]:
     """Nixl's lease on a prefill's unread blocks set to ``seconds`` by the knob each release reads:
     VLLM_NIXL_ABORT_REQUEST_TIMEOUT before 0.20 (set here), ``kv_lease_duration`` in the Nixl child's extra
@@ -599,14 +613,19 @@ def nixl_stats_count(key: str) -> bool:
     return False
 
 
-def nixl_counted(kv_outputs: list, key: str) -> int:
-    """What Nixl's stats counted under ``key`` over ``kv_outputs`` (the steps' stats, MultiConnector's per child)."""
-    counted = 0
+def nixl_values(kv_outputs: list, key: str) -> list:
+    """What Nixl's stats recorded under ``key`` over ``kv_outputs`` (the steps' stats, MultiConnector's per child)."""
+    values: list = []
     for o in kv_outputs:
         stats = getattr(o, "kv_connector_stats", None) if o else None
         for child in (getattr(stats, "data", None) or {}).values():
-            counted += len((getattr(child, "data", None) or {}).get(key, []))
-    return counted
+            values += (getattr(child, "data", None) or {}).get(key, [])
+    return values
+
+
+def nixl_counted(kv_outputs: list, key: str) -> int:
+    """How many entries Nixl's stats recorded under ``key`` over ``kv_outputs``."""
+    return len(nixl_values(kv_outputs, key))
 
 
 def cpu_tier_hit(engine: Engine, prompt: list[int], req_id: str) -> int:

@@ -18,18 +18,21 @@ import pytest
 
 from kvcompat.outcomes import CHILD_ORDERS
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import nixl_clock, not_applicable, setup_owned_by
+from kvcompat.testkit import nixl_clock, not_applicable, setup_owned_by, user_configuration
 from kvcompat.testkit.adapter.idle import scheduler_object, worker_object
 
 from conftest import (
     BLOCK,
+    HYBRID,
     PD_READ,
     PREFILLED,
     assert_no_leak,
     nixl_counted,
     nixl_lease,
     nixl_stats_count,
+    nixl_values,
     pd_read_is_byte_exact,
+    require_hma_pair,
     step_until,
     stored_prefix,
     token_ids,
@@ -163,6 +166,66 @@ def test_a_decode_with_blocks_twice_the_prefills_reads_the_prompt_token_for_toke
     assert scheduled <= 1, f"D computed {scheduled} prompt tokens itself after loading all {prompt_len} over NIXL"
     d.run(["hetero-0"])
     assert step_until([d, p], lambda: "hetero-0" not in p.scheduler.requests), "P kept the blocks after D's read"
+    assert_no_leak(p, d)
+
+
+def test_a_hybrid_models_read_fills_each_groups_blocks_in_its_own_layers_and_moves_nothing_more(make_pd):
+    """A hybrid model (a full-attention layer and a sliding-window layer, each its own KV-cache group, HMA
+    on) served P/D: D reads the prompt over NIXL.  Each group's blocks in D then hold, in that group's
+    layers, exactly the KV P's forward pass wrote, and the read moves those blocks and nothing more:
+    Nixl's transfer stats (what vllm:nixl_num_descriptors and vllm:nixl_bytes_transferred report) count
+    one descriptor per block P sent for each group in each of its layers, and those bytes.  P frees its
+    blocks after the read, and neither engine leaks."""
+    with user_configuration("P/D of a hybrid model (sliding window) with MultiConnector(Nixl, CPU offload), HMA on"):
+        p, d = make_pd(**HYBRID)
+    require_hma_pair(d)
+    groups = d.kv_cache_config.kv_cache_groups
+    assert va.hma_enabled(d.vllm_config) and len(groups) == 2, (
+        "scenario not built: the hybrid model did not get two KV-cache groups with HMA on"
+    )
+    prompt = token_ids(4 * BLOCK, start=1900)  # inside the sliding window: every block of both groups is read
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("hybrid-read", prompt)
+    req = va.make_request("hybrid-read", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    d.step()
+    status, RequestStatus = _status(req)
+    assert status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"D did not wait for P's KV: {status}"
+    d_blocks = d.scheduler.kv_cache_manager.get_block_ids("hybrid-read")
+
+    # Checked in the step D's worker reports the read done, before D's next step computes the last token.
+    def received() -> bool:
+        return any("hybrid-read" in (o.finished_recving or ()) for o in d.kv_outputs if o)
+
+    assert step_until([d, p], received), "D's read never finished"
+    block_bytes = 0
+    for g, group in enumerate(groups):
+        for layer in group.layer_names:
+            cache = d.ranks[0].kv_caches[layer]
+            block_bytes = va.kv_cache_block(cache, 1).nbytes
+            for j, block_id in enumerate(va.group_block_ids(d_blocks, g)):
+                want = va.expected_block(cache, layer, prompt[: (j + 1) * BLOCK])
+                assert va.same_bytes(va.kv_cache_block(cache, block_id), want), (
+                    f"{layer} (KV-cache group {g}): D's block {block_id} (prompt block {j}) does not hold the KV "
+                    "P computed"
+                )
+    # The count is checked where the release maps each KV region to the groups that use it (0.32 on:
+    # ``region_group_ids``); before, Nixl reads every group's blocks in every region by design ("layers
+    # from different groups share the same kv tensor"), the layout vLLM's own allocator gives such a model.
+    d_nixl = worker_object(d.worker._connectors[d.nixl_index])
+    if nixl_stats_count("bytes_transferred") and hasattr(d_nixl, "region_group_ids"):
+        sent = sum(
+            len(va.group_block_ids(params["remote_block_ids"], g)) * len(group.layer_names)
+            for g, group in enumerate(groups)
+        )
+        descriptors = sum(nixl_values(d.kv_outputs, "num_descriptors"))
+        moved = sum(nixl_values(d.kv_outputs, "bytes_transferred"))
+        assert (descriptors, moved) == (sent, sent * block_bytes), (
+            f"the read moved {descriptors} block descriptors ({moved} bytes) for the {sent} blocks P sent, one per "
+            f"layer of their group ({sent * block_bytes} bytes)"
+        )
+    d.run(["hybrid-read"])
+    assert step_until([d, p], lambda: "hybrid-read" not in p.scheduler.requests), "P kept the blocks after D's read"
     assert_no_leak(p, d)
 
 

@@ -24,6 +24,7 @@ from kvcompat.testkit.adapter import children as ch
 
 from conftest import (
     BLOCK,
+    HYBRID,
     PREFILLED,
     a_load_held_in_flight,
     assert_no_leak,
@@ -31,6 +32,7 @@ from conftest import (
     fail_a_loaded_block,
     nixl_lease,
     patient_steps,
+    require_hma_pair,
     step_until,
     stored_prefix,
     token_ids,
@@ -52,20 +54,6 @@ def _has_output_field(name: str) -> bool:
     return name in va.capabilities._field_names(KVConnectorOutput)
 
 
-def _require_hma_pair(engine) -> None:
-    """Explicit probe: every child MultiConnector builds implements SupportsHMA (else no hybrid model can be
-    served by the pair, and the HMA scenarios cannot arise)."""
-    MultiConnector, _ = va.multi_classes()
-    kids = MultiConnector._get_connector_classes_and_configs(engine.vllm_config)
-    lacking = [cls.__name__ for cls, _ in kids if not va.supports_hma(cls)]
-    if lacking:
-        not_applicable(f"{', '.join(lacking)} does not implement SupportsHMA in this release")
-
-
-# make_engine / make_pd keywords for a hybrid model (a full-attention and a sliding-window group), HMA on
-HYBRID = {"sliding_window": 4 * BLOCK, "disable_hybrid_kv_cache_manager": False}
-
-
 # ---------------------------------------------------------------------------
 # 1. a failed NIXL read of a hybrid model ends the request (failed_recving is its only report)
 # ---------------------------------------------------------------------------
@@ -81,7 +69,7 @@ def test_a_failed_load_under_hma_ends_the_request_in_error(make_pd, nixl_agent, 
         not_applicable("this release's KVConnectorOutput has no failed_recving (no failed-receive reporting)")
     with user_configuration("P/D of a hybrid model (sliding window) with MultiConnector(Nixl, CPU offload), HMA on"):
         p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, LEASE_S), **HYBRID)
-    _require_hma_pair(d)
+    require_hma_pair(d)
     assert va.hma_enabled(d.vllm_config) and len(d.kv_cache_config.kv_cache_groups) == 2, (
         "scenario not built: the hybrid model did not get two KV-cache groups with HMA on"
     )
@@ -322,7 +310,7 @@ def test_block_level_load_failures_are_refused_on_a_multi_group_model(make_engin
         not_applicable("this release's KVConnectorOutput has no invalid_block_ids (no load-failure recovery)")
     with user_configuration("a hybrid model (sliding window) with MultiConnector(Nixl, CPU offload), HMA on"):
         engine = make_engine(**HYBRID)
-    _require_hma_pair(engine)
+    require_hma_pair(engine)
     assert va.hma_enabled(engine.vllm_config) and len(engine.kv_cache_config.kv_cache_groups) == 2, (
         "scenario not built: the hybrid model did not get two KV-cache groups with HMA on"
     )
@@ -342,23 +330,41 @@ def test_block_level_load_failures_are_refused_on_a_multi_group_model(make_engin
 # ---------------------------------------------------------------------------
 # 8. loads that fill the pool still finish, one after the other
 # ---------------------------------------------------------------------------
-def test_two_cpu_tier_loads_in_a_pool_that_finishes_one_at_a_time_both_finish(make_engine, transport):
+# Each layout: the two prompts, as (tokens whose prefix is in the CPU tier, tokens past it), and the pool.
+TIGHT_POOLS = {
+    # 7 usable blocks.  Each load takes its prompt's 3 stored blocks and needs a 4th for the prompt's last 5
+    # tokens: 3 + 3 + the first's 1 fit, 4 + 4 do not.
+    "each-load-needs-one-block-more": ([(3 * BLOCK, 5), (3 * BLOCK, 5)], 8),
+    # 6 usable blocks.  The first load takes 2 stored blocks and needs 3 more for the rest of its prompt;
+    # the second takes 3 stored blocks and needs 1 more.  Both loads fit at once (2 + 3), but then neither
+    # can finish its prompt: the second may start only once the first has finished.  (vLLM #44560: two
+    # async loads admitted into such a pool waited for each other forever.)
+    "the-first-load-needs-three-blocks-more": ([(2 * BLOCK, 3 * BLOCK - 8), (3 * BLOCK, 5)], 7),
+}
+
+
+@pytest.mark.parametrize("layout", list(TIGHT_POOLS))
+def test_two_cpu_tier_loads_in_a_pool_that_finishes_one_at_a_time_both_finish(make_engine, transport, layout):
     """Two requests whose prefixes are in the CPU tier arrive together on an engine whose KV pool holds
-    both loads and the one block the first still needs to finish its prompt, but not both whole prompts.
-    A load holds its blocks, with no forward progress, until it can finish its prompt: the block kept for
-    the first load goes to it once its KV is in, it runs and frees its blocks, and then the second runs.
+    both loads and the blocks the first still needs to finish its prompt, but not both whole prompts.
+    A load holds its blocks, with no forward progress, until it can finish its prompt: the blocks kept for
+    the first load go to it once its KV is in, it runs and frees its blocks, and then the second runs.
     Both requests finish (neither waits forever for a block the other holds), in arrival order, and the
     engine is back at its idle baseline."""
     from vllm.v1.request import RequestStatus
 
-    prompts = [token_ids(3 * BLOCK + 5, start=3700), token_ids(3 * BLOCK + 5, start=3900)]
-    # 7 usable blocks (block 0 is the pool's null block).  A load takes the prompt's 3 full blocks; the
-    # prompt's last 5 tokens need a 4th: 3 + 3 + 1 fit, 4 + 4 do not.
-    with user_configuration("MultiConnector(Nixl, CPU offload) on a KV pool of 8 blocks"):
-        engine = make_engine(num_blocks=8)
-    assert engine.baseline_free == 7, f"scenario not built: {engine.baseline_free} free blocks, want 7"
-    for i, prompt in enumerate(prompts):
-        stored_prefix(engine, prompt, f"tight-src-{i}")
+    parts, num_blocks = TIGHT_POOLS[layout]
+    prompts = [
+        token_ids(stored, start=3700 + 200 * i) + token_ids(rest, start=100 + 20 * i)
+        for i, (stored, rest) in enumerate(parts)
+    ]
+    with user_configuration(f"MultiConnector(Nixl, CPU offload) on a KV pool of {num_blocks} blocks"):
+        engine = make_engine(num_blocks=num_blocks)
+    usable = num_blocks - 1  # block 0 is the pool's null block
+    assert engine.baseline_free == usable, f"scenario not built: {engine.baseline_free} free blocks, want {usable}"
+    for i, ((stored, _), prompt) in enumerate(zip(parts, prompts, strict=True)):
+        # the stored request goes a few tokens past the prefix, so that all of the prefix's blocks are full
+        stored_prefix(engine, prompt[:stored] + token_ids(3, start=90), f"tight-src-{i}")
     loads = len(transport.loads())
     reqs = [va.make_request(f"tight-{i}", prompt, max_tokens=2) for i, prompt in enumerate(prompts)]
     for req in reqs:

@@ -350,7 +350,10 @@ class _Transfers(_Recorder):
     def get_xfer_telemetry(self, handle: int) -> FakeXferTelemetry:
         self._record("get_xfer_telemetry", (handle,), {})
         x = self._xfers[handle]
-        return FakeXferTelemetry(totalBytes=0, descCount=len(x.local_indices))
+        _, local = self._dlists.get(x.local, ("", FakeDescList(None, [])))
+        lengths = [length for _, length in _expand(local.descs)]
+        # what NIXL's telemetry reports: the bytes of the local descriptors the transfer moved, and their count
+        return FakeXferTelemetry(totalBytes=sum(lengths[i] for i in x.local_indices), descCount=len(x.local_indices))
 
     def release_xfer_handle(self, handle: int) -> None:
         self._record("release_xfer_handle", (handle,), {})
