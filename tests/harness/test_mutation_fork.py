@@ -237,7 +237,8 @@ def test_what_a_child_imported_the_next_children_start_with(tmp_path):
 
 
 def test_a_forked_mutants_time_limit_comes_from_its_own_tests():
-    """5x the unmutated time of the mutant's tests, at least 30 s, never past the whole suite's limit."""
+    """5x the unmutated time of the mutant's tests, at least 30 s, plus 2 s a test for the engine shutdowns a
+    child runs in line, never past the whole suite's limit."""
     import types as _types
 
     from kvcompat.mutation.session import _Forked
@@ -245,7 +246,9 @@ def test_a_forked_mutants_time_limit_comes_from_its_own_tests():
     run = _types.SimpleNamespace(baseline={"durations": {"a": 1.0, "b": 20.0}})
     g = _types.SimpleNamespace(run=run, planned=[])
     forked = _Forked(ctx=None, g=g, passed=["a", "b"], site=Path("."), timeout=150.0)
-    assert (forked._limit(["a"]), forked._limit(["a", "b"]), forked._limit(None)) == (30.0, 105.0, 150.0)
+    assert (forked._limit(["a"]), forked._limit(["a", "b"]), forked._limit(None)) == (32.0, 109.0, 150.0)
+    forked.timeout = 100.0
+    assert forked._limit(["a", "b"]) == 100.0
     assert forked.answers == {} and forked.batched == set()
 
 
