@@ -41,6 +41,15 @@ def make_kv_cache_config(
     Tensor layout: ``KVCacheTensor(size, shared_by)`` per layer up to 0.28, and
     from 0.29 one layer-outer ``KVCacheTensor(size=<whole allocation>, layers,
     layer_stride, block_stride, offset)`` per group.
+
+    The hybrid model's groups get bytes of their own.  vLLM's planner lays the
+    groups of such a model over each other from byte 0 (``v1/core/kv_cache_planning.py``
+    0.33.0 L684-735; one tensor ``shared_by`` a layer of each group before 0.29),
+    so a real engine's Nixl worker sees one region used by both groups and reads
+    every group's blocks in it; here each region belongs to one group, and Nixl
+    from 0.32 takes its region-to-group path (``nixl/base_worker.py`` 0.33.0
+    L212-230), the one a model takes where a region belongs to one group only
+    (a group with more layers than another).  Both read the same block pairs.
     """
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
