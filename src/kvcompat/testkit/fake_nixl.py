@@ -106,6 +106,7 @@ class _Xfer:
     notif_msg: bytes
     state: str = "INIT"  # INIT -> PROC (transfer) -> DONE (first poll after)
     polls: int = 0
+    moved: int = 0  # bytes the completed transfer moved (its telemetry's totalBytes)
 
 
 def _agent_key(name: str | bytes) -> str:
@@ -350,10 +351,8 @@ class _Transfers(_Recorder):
     def get_xfer_telemetry(self, handle: int) -> FakeXferTelemetry:
         self._record("get_xfer_telemetry", (handle,), {})
         x = self._xfers[handle]
-        _, local = self._dlists.get(x.local, ("", FakeDescList(None, [])))
-        lengths = [length for _, length in _expand(local.descs)]
-        # what NIXL's telemetry reports: the bytes of the local descriptors the transfer moved, and their count
-        return FakeXferTelemetry(totalBytes=sum(lengths[i] for i in x.local_indices), descCount=len(x.local_indices))
+        # what NIXL's telemetry reports: the bytes the transfer moved, and its descriptors' count
+        return FakeXferTelemetry(totalBytes=x.moved, descCount=len(x.local_indices))
 
     def release_xfer_handle(self, handle: int) -> None:
         self._record("release_xfer_handle", (handle,), {})
@@ -374,6 +373,7 @@ class _Transfers(_Recorder):
             raddr, rlen = remote_descs[ri]
             if llen != rlen:
                 raise ValueError(f"transfer of {llen} bytes into a {rlen}-byte remote descriptor")
+            x.moved += llen
             if x.op == "READ":
                 ctypes.memmove(laddr, raddr, llen)
             elif x.op == "WRITE":
