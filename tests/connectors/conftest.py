@@ -641,6 +641,30 @@ def cpu_tier_hit(engine: Engine, prompt: list[int], req_id: str) -> int:
     return toks or 0
 
 
+def read_received(d: Engine, rid: str) -> bool:
+    """Whether D's workers have reported ``rid``'s remote KV received (the step the read completes)."""
+    return any(rid in (o.finished_recving or ()) for o in d.kv_outputs if o)
+
+
+def assert_blocks_hold_the_prompt(d: Engine, block_ids: Any, prompt: list[int], full: int) -> int:
+    """Every rank of D holds, in each layer, the KV a forward pass over ``prompt`` writes for its first
+    ``full`` blocks, in the blocks the Scheduler gave that layer's KV-cache group (``block_ids``, as
+    ``get_block_ids`` returns them).  Returns how many blocks were compared."""
+    compared = 0
+    for g, group in enumerate(d.kv_cache_config.kv_cache_groups):
+        for j, block_id in enumerate(va.group_block_ids(block_ids, g)[:full]):
+            for rank in d.ranks:
+                for layer in group.layer_names:
+                    cache = rank.kv_caches[layer]
+                    want = va.expected_block(cache, layer, prompt[: (j + 1) * BLOCK])
+                    assert va.same_bytes(va.kv_cache_block(cache, block_id), want), (
+                        f"D's block {block_id} (prompt block {j}, {layer}, KV-cache group {g}) does not hold the "
+                        "KV P computed"
+                    )
+                    compared += 1
+    return compared
+
+
 def pd_read_is_byte_exact(p: Engine, d: Engine, rid: str, prompt: list[int]) -> str:
     """vLLM's P/D proxy protocol through both engines, checked end to end: P prefills (max_tokens=1,
     do_remote_decode) and holds the blocks; D, given P's kv_transfer_params, waits for the remote KV
@@ -650,13 +674,12 @@ def pd_read_is_byte_exact(p: Engine, d: Engine, rid: str, prompt: list[int]) -> 
     from vllm.v1.request import RequestStatus
 
     params = p.prefill(rid, prompt)
-    p_blocks = va.group_block_ids(params["remote_block_ids"])
     assert rid in p.scheduler.requests, "P freed the blocks before the remote read"
     d.scheduler.add_request(va.make_request(rid, prompt, max_tokens=2, kv_transfer_params=params))
     d.step()
     req = d.scheduler.requests[rid]
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, req.status
-    d_blocks = va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids(rid))
+    d_blocks = d.scheduler.kv_cache_manager.get_block_ids(rid)
     full = len(prompt) // BLOCK
     for _ in patient_steps(400):  # the read runs over loopback: up to a few seconds on a loaded machine
         d.step()
@@ -664,16 +687,7 @@ def pd_read_is_byte_exact(p: Engine, d: Engine, rid: str, prompt: list[int]) -> 
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             break
     assert req.status != RequestStatus.WAITING_FOR_REMOTE_KVS, "D's read of P's blocks never finished"
-    compared = 0
-    for rank in d.ranks:
-        for layer, cache in rank.kv_caches.items():
-            for j, block_id in enumerate(d_blocks[:full]):
-                want = va.expected_block(cache, layer, prompt[: (j + 1) * BLOCK])
-                assert va.same_bytes(va.kv_cache_block(cache, block_id), want), (
-                    f"D's block {block_id} (prompt block {j}, {layer}) does not hold the KV P computed "
-                    f"in its block {p_blocks[j]}"
-                )
-                compared += 1
+    compared = assert_blocks_hold_the_prompt(d, d_blocks, prompt, full)
     d.run([rid])
     for _ in patient_steps(100):
         if rid not in p.scheduler.requests:

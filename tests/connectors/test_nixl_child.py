@@ -26,12 +26,14 @@ from conftest import (
     HYBRID,
     PD_READ,
     PREFILLED,
+    assert_blocks_hold_the_prompt,
     assert_no_leak,
     nixl_counted,
     nixl_lease,
     nixl_stats_count,
     nixl_values,
     pd_read_is_byte_exact,
+    read_received,
     require_hma_pair,
     step_until,
     stored_prefix,
@@ -147,10 +149,7 @@ def test_a_decode_with_blocks_twice_the_prefills_reads_the_prompt_token_for_toke
 
     # Checked in the step D's worker reports the read done, before D's next step computes the last token
     # (whose block the suite's forward pass fills whole, as no real attention layer would).
-    def received() -> bool:
-        return any("hetero-0" in (o.finished_recving or ()) for o in d.kv_outputs if o)
-
-    assert step_until([d, p], received), "D's read never finished"
+    assert step_until([d, p], lambda: read_received(d, "hetero-0")), "D's read never finished"
     read_end = -(-prompt_len // BLOCK) * BLOCK  # the read moves whole P blocks
     last = (prompt_len - 1) // big
     for layer, cache in d.ranks[0].kv_caches.items():
@@ -194,35 +193,24 @@ def test_a_hybrid_models_read_fills_each_groups_blocks_in_its_own_layers_and_mov
     d_blocks = d.scheduler.kv_cache_manager.get_block_ids("hybrid-read")
 
     # Checked in the step D's worker reports the read done, before D's next step computes the last token.
-    def received() -> bool:
-        return any("hybrid-read" in (o.finished_recving or ()) for o in d.kv_outputs if o)
-
-    assert step_until([d, p], received), "D's read never finished"
-    block_bytes = 0
-    for g, group in enumerate(groups):
-        for layer in group.layer_names:
-            cache = d.ranks[0].kv_caches[layer]
-            block_bytes = va.kv_cache_block(cache, 1).nbytes
-            for j, block_id in enumerate(va.group_block_ids(d_blocks, g)):
-                want = va.expected_block(cache, layer, prompt[: (j + 1) * BLOCK])
-                assert va.same_bytes(va.kv_cache_block(cache, block_id), want), (
-                    f"{layer} (KV-cache group {g}): D's block {block_id} (prompt block {j}) does not hold the KV "
-                    "P computed"
-                )
+    assert step_until([d, p], lambda: read_received(d, "hybrid-read")), "D's read never finished"
+    assert_blocks_hold_the_prompt(d, d_blocks, prompt, len(prompt) // BLOCK)
     # The count is checked where the release maps each KV region to the groups that use it (0.32 on:
     # ``region_group_ids``); before, Nixl reads every group's blocks in every region by design ("layers
     # from different groups share the same kv tensor"), the layout vLLM's own allocator gives such a model.
     d_nixl = worker_object(d.worker._connectors[d.nixl_index])
     if nixl_stats_count("bytes_transferred") and hasattr(d_nixl, "region_group_ids"):
-        sent = sum(
-            len(va.group_block_ids(params["remote_block_ids"], g)) * len(group.layer_names)
-            for g, group in enumerate(groups)
-        )
+        caches = d.ranks[0].kv_caches
+        sent = sent_bytes = 0
+        for g, group in enumerate(groups):
+            blocks = len(va.group_block_ids(params["remote_block_ids"], g))
+            sent += blocks * len(group.layer_names)
+            sent_bytes += blocks * sum(va.kv_cache_block(caches[layer], 1).nbytes for layer in group.layer_names)
         descriptors = sum(nixl_values(d.kv_outputs, "num_descriptors"))
         moved = sum(nixl_values(d.kv_outputs, "bytes_transferred"))
-        assert (descriptors, moved) == (sent, sent * block_bytes), (
+        assert (descriptors, moved) == (sent, sent_bytes), (
             f"the read moved {descriptors} block descriptors ({moved} bytes) for the {sent} blocks P sent, one per "
-            f"layer of their group ({sent * block_bytes} bytes)"
+            f"layer of their group ({sent_bytes} bytes)"
         )
     d.run(["hybrid-read"])
     assert step_until([d, p], lambda: "hybrid-read" not in p.scheduler.requests), "P kept the blocks after D's read"

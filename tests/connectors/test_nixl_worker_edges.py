@@ -26,6 +26,7 @@ from conftest import (
     nixl_counted,
     nixl_lease,
     nixl_stats_count,
+    read_received,
     step_until,
     stored_prefix,
     token_ids,
@@ -56,11 +57,6 @@ def _waiting(req) -> bool:
     return req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
-def _received(d, rid: str) -> bool:
-    """Whether D's workers have reported ``rid``'s remote KV received (the step the read completes)."""
-    return any(rid in (o.finished_recving or ()) for o in d.kv_outputs if o)
-
-
 def _read_token_for_token(p, d, rid: str, prompt: list[int]) -> None:
     """D reads ``rid`` from P over NIXL (P prefills it first), P and D of any block sizes: D waits for the
     remote KV and, in the step its workers report it received, every prompt token's K and V in D's blocks
@@ -79,7 +75,7 @@ def _read_token_for_token(p, d, rid: str, prompt: list[int]) -> None:
     d.step()
     assert _waiting(req), f"D did not wait for {rid}'s KV from P: {req.status}"
     d_blocks = va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids(rid))
-    assert step_until([d, p], lambda: _received(d, rid) or req.is_finished()), f"D's read of {rid} never finished"
+    assert step_until([d, p], lambda: read_received(d, rid) or req.is_finished()), f"D's read of {rid} never finished"
     assert _count(d, "make_prepped_xfer") > reads, f"D did not read {rid} over NIXL"
     assert not req.is_finished() and req.num_computed_tokens >= len(prompt) - 1, (
         f"D's read of {rid} failed: {req.status}, {req.num_computed_tokens} of {len(prompt)} tokens loaded"
@@ -282,7 +278,7 @@ def test_a_decode_holding_all_but_the_last_prompt_token_reads_that_token_from_th
     assert len(d_blocks) == 3 and d_blocks[:2] == head, (
         f"D holds blocks {d_blocks} for a prompt of two blocks and one token whose first two it cached in {head}"
     )
-    assert step_until([d, p], lambda: _received(d, "last-token") or req.is_finished()), "D's read never finished"
+    assert step_until([d, p], lambda: read_received(d, "last-token") or req.is_finished()), "D's read never finished"
     assert _count(d, "make_prepped_xfer") > reads, "D did not read the last prompt token over NIXL"
     for layer, cache in d.ranks[0].kv_caches.items():
         got = va.token_rows(cache, d_blocks[2], BLOCK)[0]
