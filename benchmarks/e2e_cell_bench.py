@@ -74,6 +74,7 @@ def floor(python: Path, cell_id: str) -> float:
     from warm_cell_bench import cell_files  # the cell's bytecode: the floor reads the same compiled vLLM
     from workload import PROMPTS, engine_specs
 
+    from kvcompat.testkit import ports
     from kvcompat.testkit.e2e import engines
 
     model_dir = python.parent.parent / "kvcompat-e2e-model"
@@ -85,9 +86,7 @@ def floor(python: Path, cell_id: str) -> float:
     procs = [
         subprocess.Popen(
             [str(python), "-c", FLOOR_ENGINE, json.dumps(s), json.dumps(PROMPTS)],
-            env=engines.engine_env(
-                engines.free_port(), {"PYTHONPATH": str(REPO / "src"), "PYTHONPYCACHEPREFIX": bytecode}
-            ),
+            env=engines.engine_env(ports.reserve(), {"PYTHONPATH": str(REPO / "src"), "PYTHONPYCACHEPREFIX": bytecode}),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

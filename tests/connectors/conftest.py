@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import pytest
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import not_applicable, probes, record_fact, setup_owned_by
+from kvcompat.testkit import not_applicable, ports, probes, record_fact, setup_owned_by
 from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.adapter import idle
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
@@ -48,11 +47,9 @@ os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
 
 
 def _own_side_channel_port() -> None:
-    """A free port for this process's NIXL handshake listener."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(s.getsockname()[1])
-    s.close()
+    """A port for the next engine's NIXL handshake listener that no other process takes meanwhile
+    (kvcompat.testkit.ports: a taken port kills vLLM's listener thread and hangs the engine)."""
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.reserve())
 
 
 if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:

@@ -3,5 +3,5 @@
 * model     a tiny random-weight Llama and a locally trained tokenizer, the same every run
 * engine    one engine in its own process (``python -m kvcompat.testkit.e2e.engine``), driven
             over its stdin/stdout by JSON lines
-* engines   the suite's side: start engines with free ports, stage timeouts, teardown
+* engines   the suite's side: start engines with ports of their own, stage timeouts, teardown
 """

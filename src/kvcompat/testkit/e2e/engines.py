@@ -1,8 +1,9 @@
 """The suite's side of the engine processes: start them, ask them, stop them, with a timeout per stage.
 
 Each engine is a child of the test process and so in the cell's process group: a cell timeout or a
-Ctrl-C, which kills that group, stops every engine with it.  Ports (NIXL's side channel) are
-chosen free per engine, so cells running side by side (``-j 2``) never collide.  A stage that does
+Ctrl-C, which kills that group, stops every engine with it.  Each engine gets a block of ports of its
+own (NIXL's side channel, then VLLM_PORT) from :mod:`kvcompat.testkit.ports`, so cells running side
+by side (``-j 2``) never collide and no other process takes them before the engine binds them.  A stage that does
 not answer in time (start, prefill, decode, ...) is :class:`StageTimeout`, naming the stage; a stage
 that fails is :class:`EngineError`, with vLLM's error and its source line.
 """
@@ -13,7 +14,6 @@ import collections
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcompat.testkit import ports
 from kvcompat.testkit.e2e.engine import MARK
 
 ENGINE_MODULE = "kvcompat.testkit.e2e.engine"
@@ -36,14 +37,10 @@ class StageTimeout(EngineError):
     """An engine did not answer a stage in time (the engine is stopped)."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def engine_env(side_channel_port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """One engine process's environment: in-process engine core, CPU KV space, NIXL over loopback."""
+    """One engine process's environment: in-process engine core, CPU KV space, NIXL over loopback.
+    SIDE_CHANNEL_PORT is the first of a block from :func:`kvcompat.testkit.ports.reserve`; vLLM's
+    own port is the next one."""
     env = dict(os.environ)
     env.update(
         {
@@ -55,7 +52,7 @@ def engine_env(side_channel_port: int, extra: dict[str, str] | None = None) -> d
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
             "VLLM_HOST_IP": "127.0.0.1",
-            "VLLM_PORT": str(free_port()),
+            "VLLM_PORT": str(side_channel_port + 1),
             "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
             "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
@@ -74,7 +71,7 @@ class EngineProcess:
     ) -> None:
         self.name = name
         self.spec = dict(spec)
-        self.side_channel_port = free_port()
+        self.side_channel_port = ports.reserve()
         self.log: collections.deque[str] = collections.deque(maxlen=400)
         self._answers: queue.Queue[dict | None] = queue.Queue()
         self.started = time.monotonic()
