@@ -4,7 +4,7 @@ Runs only in cells that install NIXL (marker ``real_nixl``).  In one process, a 
 a decode engine D, each MultiConnector(Nixl + CPU offload) built by the release's factory on both
 sides (scheduler and worker), the Nixl children with the real ``nixl._api.nixl_agent`` (no fake),
 CPU KV caches registered as NIXL DRAM, UCX on ``lo`` over tcp/cma; P's scheduler-side MultiConnector
-serves the Nixl handshake on 127.0.0.1 (a free port, VLLM_NIXL_SIDE_CHANNEL_PORT from conftest).
+serves the Nixl handshake on 127.0.0.1 (a port of its own, VLLM_NIXL_SIDE_CHANNEL_PORT from conftest).
 The CPU-offload children run their own workers (CUDA transport replaced), as everywhere.
 
 Not applicable only where the release's NixlConnectorWorker has no CPU entry in its supported-device
