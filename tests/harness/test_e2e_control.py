@@ -64,8 +64,12 @@ def test_every_e2e_test_names_the_engines_it_drives():
     assert all(set(v) <= engines for v in e2e_conftest.ENGINES_OF.values())
 
 
+def _report(tmp_path: Path, name: str) -> Path:
+    return tmp_path / f"report-{name}.json"
+
+
 def _suite(venv: Path, tmp_path: Path, name: str, env_extra: dict[str, str], k: str | None) -> dict[str, str]:
-    report = tmp_path / f"report-{name}.json"
+    report = _report(tmp_path, name)
     env = {k_: v for k_, v in os.environ.items() if not k_.startswith(("KVCOMPAT_CUDA_TRANSPORT", "KVCOMPAT_E2E"))}
     env.update(env_extra)
     env["PYTHONPATH"] = str(REPO / "src")
@@ -80,7 +84,7 @@ def _suite(venv: Path, tmp_path: Path, name: str, env_extra: dict[str, str], k: 
 def _why_not_green(tmp_path: Path, name: str) -> str:
     """The first lines of each non-green test's message in run NAME's report: a red clean run is a
     failure of the engines or of this machine, and says which only in those messages."""
-    data = json.loads((tmp_path / f"report-{name}.json").read_text())
+    data = json.loads(_report(tmp_path, name).read_text())
     bad = [t for t in data["tests"] if t["outcome"] not in ("passed", "not_applicable")]
     return "\n".join(f"{t['nodeid'].split('::')[-1]}: {(t.get('message') or '')[:600]}" for t in bad)
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from kvcompat.testkit import ports
 from kvcompat.testkit.e2e import engines
 
 FAKE = textwrap.dedent(
@@ -172,7 +173,8 @@ def test_killing_the_cell_mid_request_leaves_no_engine_and_no_port_behind(fake_m
 
 
 def test_an_engines_ports_are_its_own_block():
-    env = engines.engine_env(4000)
+    first = ports.reserve()
+    env = engines.engine_env(first)
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["UCX_NET_DEVICES"] == "lo"
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
-    assert (env["VLLM_NIXL_SIDE_CHANNEL_PORT"], env["VLLM_PORT"]) == ("4000", "4001")
+    assert (env["VLLM_NIXL_SIDE_CHANNEL_PORT"], env["VLLM_PORT"]) == (str(first), str(first + 1))

@@ -4,8 +4,8 @@ A port from ``bind(("127.0.0.1", 0))`` comes from the kernel's ephemeral range, 
 the kernel hands it out again to any process's next connection or ``bind(0)`` (UCX's, ZMQ's, another
 cell's). An engine binds its side channel some 20 s after we picked the port; if the port was taken in
 between, vLLM's handshake listener dies in its thread (ZMQError "Address already in use") and the
-engine waits for it forever: a CI run of the e2e suite lost its prefill engine that way, to the start
-timeout.
+engine waits for it forever, until our start timeout: the likeliest cause of a CI run whose prefill
+and decode engines never came up (its messages were not kept; holding the port reproduces it).
 
 So a port here is taken below the ephemeral range, which the kernel never hands out on its own, and
 is held for the life of the process that reserved it by a lock on a file named after it, so that our

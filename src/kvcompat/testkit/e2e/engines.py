@@ -3,9 +3,9 @@
 Each engine is a child of the test process and so in the cell's process group: a cell timeout or a
 Ctrl-C, which kills that group, stops every engine with it.  Each engine gets a block of ports of its
 own (NIXL's side channel, then VLLM_PORT) from :mod:`kvcompat.testkit.ports`, so cells running side
-by side (``-j 2``) never collide and no other process takes them before the engine binds them.  A stage that does
-not answer in time (start, prefill, decode, ...) is :class:`StageTimeout`, naming the stage; a stage
-that fails is :class:`EngineError`, with vLLM's error and its source line.
+by side (``-j 2``) never collide and no other process takes them before the engine binds them.  A
+stage that does not answer in time (start, prefill, decode, ...) is :class:`StageTimeout`, naming
+the stage; a stage that fails is :class:`EngineError`, with vLLM's error and its source line.
 """
 
 from __future__ import annotations
