@@ -42,6 +42,14 @@ class TestResult:
     # An error in a setup step another test owns: that test's name (its contract).  The test has
     # no verdict of its own here: the timeline and the bisect step over it.
     blocked_by: str | None = None
+    # The deployment shape this run of a shaped contract deployed (kvcompat.shapes); None for a test that
+    # is not shaped (the suite's own dense construction, or another suite's test).
+    shape: str | None = None
+
+    @property
+    def contract(self) -> str:
+        """The test function's name: the contract, whatever shape or parameters it ran with."""
+        return self.nodeid.split("::")[-1].split("[", 1)[0]
 
     @property
     def has_verdict(self) -> bool:

@@ -30,8 +30,9 @@ from typing import Any
 
 import pytest
 
+from kvcompat import shapes
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import not_applicable, ports, probes, record_fact, setup_owned_by
+from kvcompat.testkit import not_applicable, ports, probes, record_fact, setup_owned_by, shape_probes
 from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.adapter import idle
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
@@ -97,6 +98,30 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "real_nixl: moves KV blocks with the real NIXL library; run only in cells that install nixl",
     )
+    config.addinivalue_line(
+        "markers",
+        "shapes(*families): the contract runs once per deployment shape of these families (kvcompat.testkit.shapes), "
+        "taking the `shape` fixture",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A contract marked ``shapes(*families)`` runs once per selected shape of those families (KVCOMPAT_SHAPES)."""
+    marker = metafunc.definition.get_closest_marker("shapes")
+    if marker is None or "shape" not in metafunc.fixturenames:
+        return
+    chosen = shapes.of_families(tuple(marker.args))
+    if chosen:
+        metafunc.parametrize("shape", chosen, ids=[s.id for s in chosen], indirect=True)
+    else:  # no shape of its families selected: the contract does not run in this cell (deselected below)
+        metafunc.parametrize("shape", [None], ids=["unselected"], indirect=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unselected = [i for i in items if getattr(getattr(i, "callspec", None), "params", {}).get("shape", 1) is None]
+    if unselected:
+        config.hook.pytest_deselected(items=unselected)
+        items[:] = [i for i in items if i not in unselected]
 
 
 def _missing_capability() -> str | None:
@@ -126,6 +151,19 @@ def release() -> dict[str, Any]:
     for name, value in facts.items():
         record_fact(name, value)
     return {"version": probes.vllm_version(), **facts}
+
+
+@pytest.fixture
+def shape(request, release) -> shapes.Shape:
+    """The deployment shape this run of a contract deploys (``dense`` unless the contract is marked
+    ``shapes``); recorded with the test's result.  Not applicable where the release cannot have it, by
+    the shape's own probe of the installed release."""
+    chosen = getattr(request, "param", None) or shapes.DENSE
+    request.node.user_properties.append(("shape", chosen.id))
+    missing = shape_probes.missing(chosen)
+    if missing is not None:
+        not_applicable(f"shape {chosen.id}: {missing}")
+    return chosen
 
 
 @pytest.fixture(autouse=True)
@@ -407,10 +445,18 @@ def make_engine(request, release, tiny_model_dir, nixl_agent, single_rank_distri
         engine_id: str = "kvcompat-engine",
         nixl_extra_config: dict[str, Any] | None = None,
         offload_extra_config: dict[str, Any] | None = None,
+        shape: shapes.Shape | None = None,
+        side: str = "prefill",
     ) -> Engine:
+        """An engine; with ``shape`` (not the dense one, which keeps the suite's own construction), the
+        engine that side (``"prefill"`` or ``"decode"``) of the shape deploys: its TP size, each rank its
+        own rank and heads, the KV-cache config from the release's planner (kvcompat.testkit.adapter.planner)."""
         # Each engine's Nixl listener gets a port of its own: an earlier test's may still be shutting down
         _own_side_channel_port()
         order = order or va.child_order()
+        planned = shape is not None and shape is not shapes.DENSE
+        if planned:
+            tensor_parallel_size = shape.prefill_tp if side == "prefill" else shape.decode_tp
         pair = kv_transfer_config is None  # the deployed pair (not a test's own children)
         if kv_transfer_config is None:
             kv_transfer_config = va.multi_kv_transfer_config(
@@ -430,14 +476,33 @@ def make_engine(request, release, tiny_model_dir, nixl_agent, single_rank_distri
             kv_transfer_config=kv_transfer_config,
             tensor_parallel_size=tensor_parallel_size,
         )
-        kvc = va.make_kv_cache_config(num_blocks, block_size=block_size, sliding_window=sliding_window)
         ranks: list[va.WorkerRank] = []
-        with setup_owned_by(WORKER_UP):
-            for r in range(tensor_parallel_size):
-                ranks.append(va.build_rank(cfg, kvc, r))
-                va.prepare_offload_worker(ranks[-1], transport)
-                ranks[-1].register()
-            va.report_offload_blocks(cfg, ranks)
+        if planned:
+            plan = va.plan(cfg, va.attention_layer_specs(cfg, block_size, tensor_parallel_size), num_blocks)
+            kvc = plan.scheduler
+            with setup_owned_by(WORKER_UP):
+                for r in range(tensor_parallel_size):
+                    ranks.append(
+                        va.build_rank(
+                            cfg,
+                            plan.workers[r],
+                            r,
+                            tp_size=tensor_parallel_size,
+                            first_kv_head=va.first_kv_head(cfg, r),
+                            make_caches=lambda c: va.allocate(cfg, c),
+                        )
+                    )
+                    va.prepare_offload_worker(ranks[-1], transport)
+                    ranks[-1].register()
+                va.report_offload_blocks(cfg, ranks)
+        else:
+            kvc = va.make_kv_cache_config(num_blocks, block_size=block_size, sliding_window=sliding_window)
+            with setup_owned_by(WORKER_UP):
+                for r in range(tensor_parallel_size):
+                    ranks.append(va.build_rank(cfg, kvc, r))
+                    va.prepare_offload_worker(ranks[-1], transport)
+                    ranks[-1].register()
+                va.report_offload_blocks(cfg, ranks)
         engine = Engine(va.make_scheduler(cfg, kvc), cfg, kvc, ranks, order)
         _record_request_ids(engine)
         engine.baseline_free = engine.free_blocks()
@@ -485,11 +550,11 @@ def make_pd(make_engine):
     MultiConnector, which starts Nixl's listener)."""
 
     def _make(decode: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Engine, Engine]:
-        p = make_engine(engine_id=P_ENGINE, **kwargs)
+        p = make_engine(engine_id=P_ENGINE, side="prefill", **kwargs)
         with setup_owned_by(HANDSHAKE):
-            va.serve_nixl_handshake(p.multi, p.worker)
+            va.serve_nixl_handshake(p.multi, *(r.connector for r in p.ranks))
         p.baseline = p.idle_state()  # an idle P serves its handshake (EngineCore does it at startup)
-        return p, make_engine(engine_id=D_ENGINE, **{**kwargs, **(decode or {})})
+        return p, make_engine(engine_id=D_ENGINE, **{**kwargs, "side": "decode", **(decode or {})})
 
     return _make
 
@@ -653,10 +718,10 @@ def assert_blocks_hold_the_prompt(d: Engine, block_ids: Any, prompt: list[int], 
             for rank in d.ranks:
                 for layer in group.layer_names:
                     cache = rank.kv_caches[layer]
-                    want = va.expected_block(cache, layer, prompt[: (j + 1) * BLOCK])
+                    want = va.expected_block(cache, layer, prompt[: (j + 1) * BLOCK], rank.first_kv_head)
                     assert va.same_bytes(va.kv_cache_block(cache, block_id), want), (
-                        f"D's block {block_id} (prompt block {j}, {layer}, KV-cache group {g}) does not hold the "
-                        "KV P computed"
+                        f"D's block {block_id} (prompt block {j}, {layer}, KV-cache group {g}, TP rank {rank.rank} "
+                        f"of {rank.tp_size}) does not hold the KV P computed"
                     )
                     compared += 1
     return compared

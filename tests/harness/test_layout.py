@@ -10,7 +10,12 @@ from pathlib import Path
 from helpers import REPO
 
 SRC = REPO / "src"
-SHARED = {"kvcompat", "kvcompat.outcomes", "kvcompat.atomic"}  # the vocabulary both worlds use (stdlib only)
+SHARED = {
+    "kvcompat",
+    "kvcompat.outcomes",
+    "kvcompat.atomic",
+    "kvcompat.shapes",
+}  # the vocabulary both worlds use (stdlib only)
 
 
 def modules() -> dict[str, Path]:

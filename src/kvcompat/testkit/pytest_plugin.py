@@ -23,6 +23,9 @@ Outcome mapping (see :mod:`kvcompat.outcomes`):
   on this platform ("got empty parameter set", e.g.
   offloading tests parametrized over GPU backends)  -> not_applicable, with pytest's reason
 * any other skip, xfail or xpass                    -> error (a test may not hide)
+
+A test that ran a deployment shape (the connector suite's ``shape`` fixture puts ``("shape", id)`` in its
+user properties) carries that shape's id in its result (kvcompat.shapes).
 """
 
 from __future__ import annotations
@@ -166,15 +169,8 @@ class ResultCollector:
         self.collected = 0
         self.deselected: list[str] = []
 
-    def _record(
-        self,
-        nodeid: str,
-        outcome: TestOutcome | None,
-        message: str | None,
-        duration: float,
-        blocked_by: str | None = None,
-    ) -> None:
-        entry = self.tests.setdefault(
+    def _entry(self, nodeid: str) -> dict:
+        return self.tests.setdefault(
             nodeid,
             {
                 "nodeid": nodeid,
@@ -183,8 +179,19 @@ class ResultCollector:
                 "message": None,
                 "suite": self.suite,
                 "blocked_by": None,
+                "shape": None,
             },
         )
+
+    def _record(
+        self,
+        nodeid: str,
+        outcome: TestOutcome | None,
+        message: str | None,
+        duration: float,
+        blocked_by: str | None = None,
+    ) -> None:
+        entry = self._entry(nodeid)
         entry["duration"] += duration
         # A later phase can only make a test worse (teardown error after a pass), never better.
         rank = {
@@ -215,6 +222,9 @@ class ResultCollector:
             )
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        shape = dict(report.user_properties).get("shape")  # the conftest's `shape` fixture records it
+        if shape is not None:
+            self._entry(report.nodeid)["shape"] = shape
         d = report.duration
         if hasattr(report, "wasxfail"):
             self._record(report.nodeid, TestOutcome.ERROR, f"xfail/xpass is not a result ({report.wasxfail})", d)

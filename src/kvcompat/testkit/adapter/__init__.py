@@ -15,6 +15,8 @@ One module per concern; tests use the names re-exported here
 * engine            Scheduler, connectors, requests, model-runner outputs
 * worker            the worker half: a worker-role connector per TP rank, in the model runner's order
 * forward           the KV a forward pass writes, deterministic from the tokens
+* parallel          a worker rank's place in its TP group (rank, size, heads), as the release reads it
+* planner           KV-cache configs from the release's planner, caches from its allocator
 * offload_worker    the CPU-offload child's worker on CPU, EngineCore's startup question, its metadata
 * offload_script    OffloadingConnector's transfers, scripted (up to 0.18)
 * children          a child's answers, observed or scripted (the lifecycle contracts)
@@ -94,6 +96,8 @@ from kvcompat.testkit.adapter.offload_worker import (
     prepare_offload_worker,
     report_offload_blocks,
 )
+from kvcompat.testkit.adapter.parallel import kv_heads_of_rank, tp_rank
+from kvcompat.testkit.adapter.planner import Plan, allocate, attention_layer_specs, first_kv_head, plan
 from kvcompat.testkit.adapter.platform import select_cpu_platform
 from kvcompat.testkit.adapter.worker import (
     WorkerRank,
@@ -105,6 +109,13 @@ from kvcompat.testkit.adapter.worker import (
 )
 
 __all__ = [
+    "Plan",
+    "allocate",
+    "attention_layer_specs",
+    "first_kv_head",
+    "kv_heads_of_rank",
+    "plan",
+    "tp_rank",
     "REAL",
     "SCRIPTED",
     "Forward",

@@ -12,34 +12,39 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from kvcompat.testkit.adapter.config import BLOCK_SIZE, LAYER_NAMES
-from kvcompat.testkit.adapter.kv_cache import group_block_ids, kv_cache_block
+from kvcompat.testkit.adapter.config import BLOCK_SIZE
+from kvcompat.testkit.adapter.kv_cache import group_block_ids, head_axis, kv_cache_block
 
 NULL_BLOCK = 0  # vLLM's null block (block pool id 0): never written
 
 
-def _base(layer: str, tokens: list[int]) -> int:
-    digest = hashlib.sha256(f"{layer}|{','.join(map(str, tokens))}".encode()).digest()
+def _base(layer: str, tokens: list[int], head: int) -> int:
+    digest = hashlib.sha256(f"{layer}|{head}|{','.join(map(str, tokens))}".encode()).digest()
     return int.from_bytes(digest[:4], "little") % 1000 + 1
 
 
-def fill_block(view: Any, layer: str, tokens: list[int]) -> None:
+def fill_block(view: Any, layer: str, tokens: list[int], first_head: int = 0, block_size: int = BLOCK_SIZE) -> None:
     """Write the KV of ``tokens`` (the prefix up to this block's end) into one block's view of a layer.
 
-    Values ``base * 8192 + i`` are exact in float32 and differ per element, so a copy of the wrong
-    block, a shifted copy or a copy of part of a block all read back differently.
+    Each KV head's slice gets its own pattern, from the model's global head index (``first_head`` is
+    the global index of the rank's first head), so a TP rank's slice equals the same heads of a rank
+    of another TP size.  Values ``base * 8192 + i`` are exact in float32 and differ per element, so a
+    copy of the wrong block or head, a shifted copy or a copy of part of one all read back differently.
     """
     import torch
 
-    base = _base(layer, tokens)
-    n = view.numel()
-    view.copy_((base * 8192 + torch.arange(n, dtype=torch.float32)).view(view.shape))
+    axis = head_axis(block_size)
+    for h in range(view.shape[axis]):
+        head = view.select(axis, h)
+        base = _base(layer, tokens, first_head + h)
+        head.copy_((base * 8192 + torch.arange(head.numel(), dtype=torch.float32)).view(head.shape))
 
 
-def expected_block(cache: Any, layer: str, tokens: list[int]) -> Any:
-    """The block a forward pass over ``tokens`` leaves in ``cache`` (a layer's KV cache tensor)."""
+def expected_block(cache: Any, layer: str, tokens: list[int], first_head: int = 0) -> Any:
+    """The block a forward pass over ``tokens`` leaves in ``cache`` (a layer's KV cache tensor on a rank
+    whose first KV head is ``first_head``)."""
     view = kv_cache_block(cache, NULL_BLOCK, BLOCK_SIZE).clone()
-    fill_block(view, layer, tokens)
+    fill_block(view, layer, tokens, first_head)
     return view
 
 
@@ -66,15 +71,16 @@ class Forward:
             start = end - n
             tokens = list(request.all_token_ids)
             block_ids = scheduler.kv_cache_manager.get_block_ids(req_id)
-            for layer in LAYER_NAMES:
+            for layer in group_of:
                 ids = group_block_ids(block_ids, group_of[layer])
                 bs = groups[group_of[layer]].kv_cache_spec.block_size
                 for j in range(start // bs, -(-end // bs)):
                     if j < len(ids) and ids[j] != NULL_BLOCK:
                         self.writes.append((layer, ids[j], tokens[: min(end, (j + 1) * bs)], bs))
 
-    def write_kv(self, layer: str, cache: Any) -> None:
-        """What layer ``layer``'s attention writes into its KV cache ``cache`` in this step."""
+    def write_kv(self, layer: str, cache: Any, first_head: int = 0) -> None:
+        """What layer ``layer``'s attention writes into its KV cache ``cache`` in this step, on a rank
+        whose first KV head is ``first_head``."""
         for name, block_id, tokens, bs in self.writes:
             if name == layer:
-                fill_block(kv_cache_block(cache, block_id, bs), layer, tokens)
+                fill_block(kv_cache_block(cache, block_id, bs), layer, tokens, first_head, bs)

@@ -9,14 +9,14 @@ from kvcompat.testkit.adapter.capabilities import _field_names, _params
 from kvcompat.testkit.adapter.config import BLOCK_SIZE, HEAD_SIZE, LAYER_NAMES, NUM_KV_HEADS
 
 
-def _attention_spec(block_size: int, sliding_window: int | None = None) -> Any:
+def attention_spec(block_size: int, sliding_window: int | None = None, num_kv_heads: int = NUM_KV_HEADS) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     cls = FullAttentionSpec if sliding_window is None else SlidingWindowSpec
     kwargs: dict[str, Any] = dict(
         block_size=block_size,
-        num_kv_heads=NUM_KV_HEADS,
+        num_kv_heads=num_kv_heads,
         head_size=HEAD_SIZE,
         dtype=torch.float32,
     )
@@ -33,8 +33,9 @@ def make_kv_cache_config(
     *,
     block_size: int = BLOCK_SIZE,
     sliding_window: int | None = None,
+    num_kv_heads: int = NUM_KV_HEADS,
 ) -> Any:
-    """KVCacheConfig with real ``kv_cache_tensors``.
+    """KVCacheConfig with real ``kv_cache_tensors``; ``num_kv_heads``: the heads one rank holds.
 
     One full-attention group over both layers, or (``sliding_window`` given)
     a full-attention group (layer 0) and a sliding-window group (layer 1).
@@ -54,11 +55,11 @@ def make_kv_cache_config(
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
     if sliding_window is None:
-        groups = [KVCacheGroupSpec(list(LAYER_NAMES), _attention_spec(block_size))]
+        groups = [KVCacheGroupSpec(list(LAYER_NAMES), attention_spec(block_size, None, num_kv_heads))]
     else:
         groups = [
-            KVCacheGroupSpec([LAYER_NAMES[0]], _attention_spec(block_size)),
-            KVCacheGroupSpec([LAYER_NAMES[1]], _attention_spec(block_size, sliding_window)),
+            KVCacheGroupSpec([LAYER_NAMES[0]], attention_spec(block_size, None, num_kv_heads)),
+            KVCacheGroupSpec([LAYER_NAMES[1]], attention_spec(block_size, sliding_window, num_kv_heads)),
         ]
     tensor_fields = _field_names(KVCacheTensor)
     tensors = []
@@ -100,18 +101,51 @@ def resolve_kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> str | Non
 
     backends = get_current_attn_backends(vllm_config)
     supported = [layout.name for layout in utils.get_supported_kv_cache_layouts(backends)]
-    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    specs = (
+        [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        if hasattr(kv_cache_config, "kv_cache_groups")
+        else list(kv_cache_config)  # the layers' specs, before planning (EngineCore resolves it first)
+    )
     return utils.resolve_kv_cache_layout(vllm_config, [supported], specs).name
 
 
-def _cpu_kv_cache_shape(num_blocks: int, block_size: int) -> tuple[int, ...]:
+def _cpu_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int = NUM_KV_HEADS) -> tuple[int, ...]:
     """Per-layer KV-cache shape: the CPU attention backend's ``get_kv_cache_shape``
     where it defines one, else the layout-based LBHNC view
     ``[num_blocks, heads, block_size, 2 * head_size]`` (K|V packed)."""
     cpu_attn = importlib.import_module("vllm.v1.attention.backends.cpu_attn").CPUAttentionBackend
     if "get_kv_cache_shape" in vars(cpu_attn):  # up to the layout-based releases
-        return tuple(cpu_attn.get_kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE))
-    return (num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE)  # LBHNC
+        return tuple(cpu_attn.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, HEAD_SIZE))
+    return (num_blocks, num_kv_heads, block_size, 2 * HEAD_SIZE)  # LBHNC
+
+
+MAX_KV_HEADS = 64
+
+
+def _heads_of(cache: Any, block_size: int) -> int:
+    """How many KV heads a per-layer view made by :func:`make_kv_caches` holds (a TP rank holds its share)."""
+    for heads in range(1, MAX_KV_HEADS + 1):
+        for axis in range(cache.dim()):
+            if _cpu_kv_cache_shape(cache.shape[axis], block_size, heads) == tuple(cache.shape):
+                return heads
+    raise AssertionError(f"cache shape {tuple(cache.shape)} is not the CPU KV-cache shape of any head count")
+
+
+def head_axis(block_size: int) -> int:
+    """The heads axis of one block's view (:func:`kv_cache_block`): the one that grows with the head count."""
+    a = _cpu_kv_cache_shape(1, block_size, 1)
+    b = _cpu_kv_cache_shape(1, block_size, 2)
+    block = _block_axis(block_size)
+    (axis,) = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    return axis - (axis > block)
+
+
+def _block_axis(block_size: int) -> int:
+    a = _cpu_kv_cache_shape(1, block_size)
+    b = _cpu_kv_cache_shape(2, block_size)
+    axes = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    assert len(axes) == 1, f"cannot find the block axis of the CPU KV-cache shape {a} / {b}"
+    return axes[0]
 
 
 def make_kv_caches(kv_cache_config: Any) -> dict[str, Any]:
@@ -131,7 +165,7 @@ def make_kv_caches(kv_cache_config: Any) -> dict[str, Any]:
     nb = kv_cache_config.num_blocks
 
     def shape(spec: Any) -> tuple[int, ...]:
-        return _cpu_kv_cache_shape(nb, spec.block_size)
+        return _cpu_kv_cache_shape(nb, spec.block_size, spec.num_kv_heads)
 
     def view(raw: Any, start: int, name: str) -> Any:
         spec = specs[name]
@@ -158,14 +192,12 @@ def kv_cache_block(cache: Any, block_id: int, block_size: int = BLOCK_SIZE) -> A
     :func:`make_kv_caches`.  The block axis is the one the release's shape
     function grows with ``num_blocks`` (e.g. 0 for ``[num_blocks, H, N, 2*C]``,
     1 for ``(2, num_blocks, H, N, C)``)."""
-    a = _cpu_kv_cache_shape(1, block_size)
-    b = _cpu_kv_cache_shape(2, block_size)
-    axes = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-    assert len(axes) == 1, f"cannot find the block axis of the CPU KV-cache shape {a} / {b}"
-    assert _cpu_kv_cache_shape(cache.shape[axes[0]], block_size) == tuple(cache.shape), (
+    axis = _block_axis(block_size)
+    heads = _heads_of(cache, block_size)
+    assert _cpu_kv_cache_shape(cache.shape[axis], block_size, heads) == tuple(cache.shape), (
         f"cache shape {tuple(cache.shape)} is not the CPU KV-cache shape"
     )
-    return cache.select(axes[0], block_id)
+    return cache.select(axis, block_id)
 
 
 def token_rows(cache: Any, block_id: int, block_size: int) -> list[Any]:

@@ -47,19 +47,24 @@ def nixl_supported_device_table() -> dict[str, tuple[str, ...]]:
     raise TypeError(f"{mod.__name__} has no NIXL supported-device table")
 
 
-def serve_nixl_handshake(scheduler_connector: Any, worker_connector: Any) -> str:
-    """Hand the worker's handshake metadata to the scheduler-side connector, as
+def serve_nixl_handshake(scheduler_connector: Any, *worker_connectors: Any) -> str:
+    """Hand the workers' handshake metadata to the scheduler-side connector, as
     EngineCore does after KV-cache registration (this starts the Nixl side-channel
-    listener on VLLM_NIXL_SIDE_CHANNEL_HOST/PORT).  TP=1, PP=1.  Returns which
-    entry point the release has; on releases with neither, the worker serves the
-    handshake itself and nothing is done here."""
-    metadata = worker_connector.get_handshake_metadata()
-    if metadata is None:
-        raise RuntimeError(f"{type(worker_connector).__name__} worker produced no handshake metadata")
+    listener on VLLM_NIXL_SIDE_CHANNEL_HOST/PORT): worker ``i`` of ``worker_connectors``
+    is TP rank ``i``, each reporting ``{(pp_rank, tp_rank): metadata}`` as the release's
+    GPU worker does (``v1/worker/gpu_worker.py`` ``get_kv_connector_handshake_metadata``),
+    merged by EngineCore (``v1/engine/core.py`` ``_set_kv_connector_handshake_metadata``).
+    PP=1.  Returns which entry point the release has; on releases with neither, the
+    worker serves the handshake itself and nothing is done here."""
+    metadata = {}
+    for rank, worker_connector in enumerate(worker_connectors):
+        metadata[rank] = worker_connector.get_handshake_metadata()
+        if metadata[rank] is None:
+            raise RuntimeError(f"{type(worker_connector).__name__} worker produced no handshake metadata")
     if hasattr(scheduler_connector, "set_xfer_handshake_metadata_pp_aware"):
-        scheduler_connector.set_xfer_handshake_metadata_pp_aware({(0, 0): metadata})
+        scheduler_connector.set_xfer_handshake_metadata_pp_aware({(0, r): m for r, m in metadata.items()})
         return "set_xfer_handshake_metadata_pp_aware"
     if hasattr(scheduler_connector, "set_xfer_handshake_metadata"):
-        scheduler_connector.set_xfer_handshake_metadata({0: metadata})
+        scheduler_connector.set_xfer_handshake_metadata(metadata)
         return "set_xfer_handshake_metadata"
     return "worker-served"

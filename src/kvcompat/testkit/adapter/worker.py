@@ -31,9 +31,9 @@ from typing import Any
 
 from kvcompat.testkit import probes
 from kvcompat.testkit.adapter.capabilities import V1
-from kvcompat.testkit.adapter.config import LAYER_NAMES
 from kvcompat.testkit.adapter.engine import create_connector
 from kvcompat.testkit.adapter.kv_cache import make_kv_caches, resolve_kv_cache_layout
+from kvcompat.testkit.adapter.parallel import tp_rank
 
 MIXIN = "vllm.v1.worker.kv_connector_model_runner_mixin"
 ACTIVE = "vllm.v1.worker.gpu.kv_connector"
@@ -76,9 +76,24 @@ def _affinity_kept() -> Iterator[None]:
         os.sched_setaffinity(0, affinity)
 
 
+def layer_order(layer_names: Any) -> list[str]:
+    """Layers in the order a forward pass runs them (``model.layers.<i>.``, by ``i``)."""
+
+    def index(name: str) -> tuple[int, str]:
+        parts = name.split(".")
+        numbers = [int(p) for p in parts if p.isdigit()]
+        return (numbers[0] if numbers else 0, name)
+
+    return sorted(layer_names, key=index)
+
+
 @dataclasses.dataclass
 class WorkerRank:
-    """One TP rank's worker side: its connector, its KV caches and, from 0.34, the runner's ActiveKVConnector."""
+    """One TP rank's worker side: its connector, its KV caches and, from 0.34, the runner's ActiveKVConnector.
+
+    ``rank`` of ``tp_size`` is what the release's code reads as this rank's place in its TP group while
+    the rank is built, registers and runs (:func:`kvcompat.testkit.adapter.parallel.tp_rank`);
+    ``first_kv_head`` is the model's global index of the first KV head it holds."""
 
     rank: int
     connector: Any
@@ -86,12 +101,27 @@ class WorkerRank:
     vllm_config: Any
     active: Any = None  # ActiveKVConnector (v2 runner), built at registration
     registered: bool = False
+    tp_size: int = 1
+    first_kv_head: int = 0
+
+    @property
+    def layer_names(self) -> list[str]:
+        return layer_order(self.kv_caches)
+
+    def identity(self) -> contextlib.AbstractContextManager:
+        """This rank's place in its TP group, as the release reads it (see the class)."""
+        return tp_rank(self.rank, self.tp_size)
 
     def register(self) -> None:
         """Register the KV caches the way the release's model runner does, once."""
         from vllm.config import set_current_vllm_config
 
-        with kv_transfer_group(self.connector), set_current_vllm_config(self.vllm_config), _affinity_kept():
+        with (
+            self.identity(),
+            kv_transfer_group(self.connector),
+            set_current_vllm_config(self.vllm_config),
+            _affinity_kept(),
+        ):
             if model_runner() == "v2":
                 self.active = importlib.import_module(ACTIVE).get_kv_connector(self.vllm_config, self.kv_caches)
             else:  # gpu_model_runner.initialize_kv_cache: register, then the host-buffer copy op
@@ -112,7 +142,7 @@ class WorkerRank:
 
         cfg = self.vllm_config
         runs_forward = bool(scheduler_output.total_num_scheduled_tokens)
-        with kv_transfer_group(self.connector), set_current_vllm_config(cfg), _affinity_kept():
+        with self.identity(), kv_transfer_group(self.connector), set_current_vllm_config(cfg), _affinity_kept():
             if self.active is not None:  # ActiveKVConnector (v1/worker/gpu/kv_connector.py)
                 if not runs_forward:
                     return self.active.no_forward(scheduler_output).kv_connector_output
@@ -131,7 +161,7 @@ class WorkerRank:
             return output
 
     def shutdown(self) -> None:
-        with _affinity_kept():
+        with self.identity(), _affinity_kept():
             self.connector.shutdown()
 
 
@@ -148,34 +178,43 @@ def _handle_preemptions(connector: Any, scheduler_output: Any) -> None:
         connector.handle_preemptions(scheduler_output.kv_connector_metadata)
 
 
-def forward_layers(rank: WorkerRank, write_kv: Callable[[str, Any], None]) -> None:
+def forward_layers(rank: WorkerRank, write_kv: Callable[[str, Any, int], None]) -> None:
     """A forward pass as the connector sees it: around each attention layer, what the release's
     ``maybe_transfer_kv_layer`` does: if metadata is bound, ``wait_for_layer_load`` before the layer,
     and ``save_kv_layer`` with the layer's KV cache after it; the layer itself writes its KV
-    (``write_kv(layer_name, kv_cache)``)."""
+    (``write_kv(layer_name, kv_cache, first_kv_head)``: the rank's share of the heads)."""
     connector = rank.connector
-    for name in LAYER_NAMES:
+    for name in rank.layer_names:
         hooked = connector.has_connector_metadata()
         if hooked:
             connector.wait_for_layer_load(name)
-        write_kv(name, rank.kv_caches[name])
+        write_kv(name, rank.kv_caches[name], rank.first_kv_head)
         if hooked:
             connector.save_kv_layer(name, rank.kv_caches[name], LayerAttentionMetadata())
 
 
 def build_rank(
-    vllm_config: Any, kv_cache_config: Any, rank: int = 0, build: Callable[..., Any] = create_connector
+    vllm_config: Any,
+    kv_cache_config: Any,
+    rank: int = 0,
+    build: Callable[..., Any] = create_connector,
+    *,
+    tp_size: int = 1,
+    first_kv_head: int = 0,
+    make_caches: Callable[[Any], dict[str, Any]] = make_kv_caches,
 ) -> WorkerRank:
     """A worker rank: the KV-cache layout resolved as EngineCore does, the WORKER-role connector from
-    ``build`` (the release's factory), and CPU KV caches placed as the model runner places them.
+    ``build`` (the release's factory), and CPU KV caches placed as the model runner places them
+    (``make_caches``).  With ``tp_size`` > 1 the rank is built as TP rank ``rank`` of ``tp_size``.
     The caches are not registered yet (:meth:`WorkerRank.register`)."""
     from vllm.config import set_current_vllm_config
 
     resolve_kv_cache_layout(vllm_config, kv_cache_config)
     role = importlib.import_module(V1 + ".base").KVConnectorRole.WORKER
-    with set_current_vllm_config(vllm_config), _affinity_kept():
+    with tp_rank(rank, tp_size), set_current_vllm_config(vllm_config), _affinity_kept():
         connector = build(vllm_config, role, kv_cache_config)
-    return WorkerRank(rank, connector, make_kv_caches(kv_cache_config), vllm_config)
+        caches = make_caches(kv_cache_config)
+    return WorkerRank(rank, connector, caches, vllm_config, tp_size=tp_size, first_kv_head=first_kv_head)
 
 
 def aggregator(scheduler_connector: Any, world_size: int) -> Any:

@@ -1,0 +1,86 @@
+"""Deployment shapes: the ways users deploy the pair, one dimension of the connector suite (shared vocabulary).
+
+A contract about transfer, storage or block accounting runs once per shape it names
+(``@pytest.mark.shapes("dense", "hetero-tp", ...)``, by family), each run a test of its own
+(``test_x[hetero-tp-p1d2]``); its result carries the shape (the pytest plugin records it) and the
+report shows which shapes pass per release.  ``KVCOMPAT_SHAPES`` (the harness's ``--shapes``) names
+the shapes or families a cell runs, ``-k`` selects by id as usual.
+
+A shape is data: the model it serves, each side's TP size, the scheduler's order and drafts.  The
+connector suite's fixtures (``tests/connectors/conftest.py``) build it the release's way: the model's
+config, the KV-cache specs and the release's own planner, one worker rank per TP rank with its own rank
+and heads.  Whether a release can have a shape at all is decided in the cell by an explicit probe of the
+installed release (:func:`kvcompat.testkit.shape_probes.missing`, never a construction that raised):
+only then is a shape not applicable.  A release that can have the shape and refuses it is
+``unsupported``; one that serves it wrongly fails.
+
+Both worlds use this module (the harness to select and report shapes, the testkit to build them): it
+is stdlib-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+SHAPES_ENV = "KVCOMPAT_SHAPES"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One deployment shape of a prefill engine P and a decode engine D (one engine: P's)."""
+
+    id: str
+    family: str
+    what: str  # one line for the report
+    model: str = "llama"  # the tiny model family: "llama" (dense attention)
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    @property
+    def hetero_tp(self) -> bool:
+        return self.prefill_tp != self.decode_tp
+
+
+DENSE = Shape("dense", "dense", "a dense attention model, the same TP (1) on both sides")
+
+SHAPES: tuple[Shape, ...] = (
+    DENSE,
+    Shape("hetero-tp-p1d2", "hetero-tp", "prefill TP 1, decode TP 2 (each D rank reads its head of P's)", decode_tp=2),
+    Shape("hetero-tp-p2d1", "hetero-tp", "prefill TP 2, decode TP 1 (D reads each P rank's head)", prefill_tp=2),
+    Shape(
+        "hetero-tp-p1d4",
+        "hetero-tp",
+        "prefill TP 1, decode TP 4 with 2 KV heads: D's ranks replicate the heads (TP > KV heads, vllm#45330)",
+        decode_tp=4,
+    ),
+)
+FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(s.family for s in SHAPES))
+BY_ID = {s.id: s for s in SHAPES}
+
+
+def parse(text: str) -> list[Shape]:
+    """The shapes named by ``text`` (comma- or space-separated shape ids or families); ValueError naming
+    what is not one."""
+    names = [n for n in text.replace(",", " ").split() if n]
+    unknown = [n for n in names if n not in BY_ID and n not in FAMILIES]
+    if unknown:
+        raise ValueError(
+            f"unknown shape {', '.join(map(repr, unknown))}: use a shape ({', '.join(BY_ID)}) "
+            f"or a family ({', '.join(FAMILIES)})"
+        )
+    return [s for s in SHAPES if s.id in names or s.family in names]
+
+
+def selected() -> list[Shape]:
+    """The shapes this run selects: ``KVCOMPAT_SHAPES``, every shape when unset."""
+    text = os.environ.get(SHAPES_ENV, "").strip()
+    return parse(text) if text else list(SHAPES)
+
+
+def of_families(families: tuple[str, ...]) -> list[Shape]:
+    """The selected shapes of ``families`` (a contract's ``shapes`` marker), in registry order."""
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown shape family {', '.join(map(repr, unknown))}: families are {', '.join(FAMILIES)}")
+    return [s for s in selected() if s.family in families]
