@@ -33,9 +33,12 @@ class Shape:
     id: str
     family: str
     what: str  # one line for the report
-    model: str = "llama"  # the tiny model family: "llama" (dense attention)
+    model: str = "llama"  # the tiny model: "llama" (dense attention), "hybrid" (Mamba2 + attention), "mla"
     prefill_tp: int = 1
     decode_tp: int = 1
+    drafts: str | None = None  # speculative decoding on both sides: "ngram"
+    async_scheduling: bool = False  # EngineCore's batch-queue order, as GPU users run it by default from 0.34
+    restarted_prefill: bool = False  # D's prefill peer replaced by a new engine at the same address
 
     @property
     def hetero_tp(self) -> bool:
@@ -44,8 +47,10 @@ class Shape:
 
 DENSE = Shape("dense", "dense", "a dense attention model, the same TP (1) on both sides")
 
+HYBRID = "a hybrid model: Mamba2 layers, full attention and a sliding-window group, HMA on"
 SHAPES: tuple[Shape, ...] = (
     DENSE,
+    Shape("hybrid", "hybrid", HYBRID, model="hybrid"),
     Shape("hetero-tp-p1d2", "hetero-tp", "prefill TP 1, decode TP 2 (each D rank reads its head of P's)", decode_tp=2),
     Shape("hetero-tp-p2d1", "hetero-tp", "prefill TP 2, decode TP 1 (D reads each P rank's head)", prefill_tp=2),
     Shape(
@@ -53,6 +58,30 @@ SHAPES: tuple[Shape, ...] = (
         "hetero-tp",
         "prefill TP 1, decode TP 4 with 2 KV heads: D's ranks replicate the heads (TP > KV heads, vllm#45330)",
         decode_tp=4,
+    ),
+    Shape("mla", "mla", "an MLA model (a tiny DeepSeek-V2), TP 1 on both sides", model="mla"),
+    Shape(
+        "mla-p2d1",
+        "mla",
+        "the MLA model with prefill TP 2, decode TP 1: the latent is replicated, D reads it once",
+        model="mla",
+        prefill_tp=2,
+    ),
+    Shape("drafts-ngram", "drafts", "ngram speculative decoding on both sides (2 draft tokens)", drafts="ngram"),
+    Shape(
+        "restarted-prefill",
+        "restarted-prefill",
+        "the prefill engine D knows replaced by a new one (a new engine id) at the same address",
+        restarted_prefill=True,
+    ),
+    Shape(
+        "async-sched-dense",
+        "async-sched",
+        "the dense model under async scheduling (EngineCore's batch queue), the GPU default from 0.34",
+        async_scheduling=True,
+    ),
+    Shape(
+        "async-sched-hybrid", "async-sched", HYBRID + ", under async scheduling", model="hybrid", async_scheduling=True
     ),
 )
 FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(s.family for s in SHAPES))

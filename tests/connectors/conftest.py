@@ -32,7 +32,7 @@ import pytest
 
 from kvcompat import shapes
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import not_applicable, ports, probes, record_fact, setup_owned_by, shape_probes
+from kvcompat.testkit import deploy, not_applicable, ports, probes, record_fact, setup_owned_by
 from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.adapter import idle
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
@@ -100,7 +100,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "shapes(*families): the contract runs once per deployment shape of these families (kvcompat.testkit.shapes), "
+        "shapes(*families): the contract runs once per deployment shape of these families (kvcompat.shapes), "
         "taking the `shape` fixture",
     )
 
@@ -160,7 +160,7 @@ def shape(request, release) -> shapes.Shape:
     the shape's own probe of the installed release."""
     chosen = getattr(request, "param", None) or shapes.DENSE
     request.node.user_properties.append(("shape", chosen.id))
-    missing = shape_probes.missing(chosen)
+    missing = deploy.missing(chosen)
     if missing is not None:
         not_applicable(f"shape {chosen.id}: {missing}")
     return chosen
@@ -175,6 +175,19 @@ def _cpu_platform_first(release):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     return va.write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def shape_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny model of a shape (its builder's config.json), written once per session and shape."""
+    written: dict[str, Any] = {}
+
+    def _dir(shape: shapes.Shape):
+        if shape.id not in written:
+            written[shape.id] = deploy.builder(shape).write_model(shape, tmp_path_factory.mktemp(f"model-{shape.id}"))
+        return written[shape.id]
+
+    return _dir
 
 
 def token_ids(n: int, start: int = 10) -> list[int]:
@@ -232,6 +245,12 @@ class Engine:
     sched_outputs: list[Any] = field(default_factory=list)
     kv_outputs: list[Any] = field(default_factory=list)  # what the scheduler got from the workers, per step
     request_ids: set[str] = field(default_factory=set)  # every request added to this engine (see make_engine)
+    shape: shapes.Shape = shapes.DENSE  # the deployment shape this engine is a side of
+    # how each layer's cache looks (va.Forward), attention if absent
+    kinds: dict[str, Any] = field(default_factory=dict)
+    stepper: Any = None  # the shape's own step order (its builder's ``step``), or None: schedule, execute, update
+    # what a rank's model runner returns for a step (its builder's ``runner_output``: drafts sample several tokens)
+    runner_output: Any = None
 
     @property
     def multi(self) -> Any:
@@ -267,21 +286,40 @@ class Engine:
     def step(self) -> Any:
         """One engine step: schedule(); every rank runs the worker half of it (the release's
         model-runner sequence around a forward pass that writes KV); their outputs, aggregated by
-        the release's KVOutputAggregator when there are several, go to update_from_output()."""
+        the release's KVOutputAggregator when there are several, go to update_from_output().  A shape
+        that orders these otherwise (EngineCore's batch queue under async scheduling) steps its own way
+        (its builder's ``step``, kvcompat.testkit.deploy); either way this returns the step's SchedulerOutput."""
+        if self.stepper is not None:
+            return self.stepper(self)
+        so = self.schedule()
+        self.update(so, self.execute(so))
+        time.sleep(STEP_GAP_S)
+        return so
+
+    def schedule(self) -> Any:
+        """The scheduler's half of a step: its SchedulerOutput, kept with its connector metadata."""
         so = self.scheduler.schedule()
         self.sched_outputs.append(so)
         self.metas.append(so.kv_connector_metadata)
-        forward = va.Forward(self.scheduler, so, self.kv_cache_config)
+        return so
+
+    def execute(self, so: Any) -> Any:
+        """The workers' half: every rank runs ``so`` (the forward pass writing KV), and their outputs are
+        aggregated as the executor does; the ModelRunnerOutput the scheduler gets."""
+        forward = va.Forward(self.scheduler, so, self.kv_cache_config, self.kinds)
         kv_outs = [r.execute(so, lambda rank: va.forward_layers(rank, forward.write_kv)) for r in self.ranks]
-        runner_outs = [va.make_model_runner_output(so, kvo) for kvo in kv_outs]
-        out = runner_outs[0] if self.aggregator is None else self.aggregator.aggregate(runner_outs, 0)
+        make_output = self.runner_output or va.make_model_runner_output
+        runner_outs = [make_output(so, kvo) for kvo in kv_outs]
+        return runner_outs[0] if self.aggregator is None else self.aggregator.aggregate(runner_outs, 0)
+
+    def update(self, so: Any, out: Any) -> Any:
+        """update_from_output with the workers' output of ``so``; the request outputs are kept per request."""
         self.kv_outputs.append(out.kv_connector_output)
         result = self.scheduler.update_from_output(so, out)
         for eco in (result or {}).values():
             for o in eco.outputs:
                 self.outputs.setdefault(o.request_id, []).append(o)
-        time.sleep(STEP_GAP_S)
-        return so
+        return result
 
     def run(self, req_ids: list[str], max_steps: int = 60) -> None:
         """Step until every request in ``req_ids`` has finished (fails after ``max_steps``)."""
@@ -428,7 +466,16 @@ def deferred_shutdowns(request):
 
 
 @pytest.fixture
-def make_engine(request, release, tiny_model_dir, nixl_agent, single_rank_distributed, transport, deferred_shutdowns):
+def make_engine(
+    request,
+    release,
+    tiny_model_dir,
+    shape_model_dir,
+    nixl_agent,
+    single_rank_distributed,
+    transport,
+    deferred_shutdowns,
+):
     """Build engines as EngineCore does: workers first (their KV caches registered, the
     SimpleCPUOffload block count asked where the release asks it), then the scheduler."""
     engines: list[Engine] = []
@@ -447,16 +494,28 @@ def make_engine(request, release, tiny_model_dir, nixl_agent, single_rank_distri
         offload_extra_config: dict[str, Any] | None = None,
         shape: shapes.Shape | None = None,
         side: str = "prefill",
+        side_channel_port: int | None = None,
     ) -> Engine:
         """An engine; with ``shape`` (not the dense one, which keeps the suite's own construction), the
-        engine that side (``"prefill"`` or ``"decode"``) of the shape deploys: its TP size, each rank its
-        own rank and heads, the KV-cache config from the release's planner (kvcompat.testkit.adapter.planner)."""
-        # Each engine's Nixl listener gets a port of its own: an earlier test's may still be shutting down
-        _own_side_channel_port()
+        engine that side (``"prefill"`` or ``"decode"``) of the shape deploys, built by the shape's builder
+        (kvcompat.testkit.deploy): its model and VllmConfig, its TP size with each rank its own rank and
+        heads, the KV-cache config from the release's planner and the caches from its allocator."""
+        # Each engine's Nixl listener gets a port of its own: an earlier test's may still be shutting down;
+        # ``side_channel_port``: an engine that takes over another's address (a replaced prefill)
+        if side_channel_port is None:
+            _own_side_channel_port()
+        else:
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
         order = order or va.child_order()
-        planned = shape is not None and shape is not shapes.DENSE
+        shape = shape or shapes.DENSE
+        builder = deploy.builder(shape)
+        planned = shape is not shapes.DENSE
+        model_dir = tiny_model_dir
+        extra: dict[str, Any] = {}
         if planned:
-            tensor_parallel_size = shape.prefill_tp if side == "prefill" else shape.decode_tp
+            tensor_parallel_size = builder.tp_size(shape, side)
+            model_dir = shape_model_dir(shape)
+            extra = builder.config_kwargs(shape, side)
         pair = kv_transfer_config is None  # the deployed pair (not a test's own children)
         if kv_transfer_config is None:
             kv_transfer_config = va.multi_kv_transfer_config(
@@ -469,17 +528,21 @@ def make_engine(request, release, tiny_model_dir, nixl_agent, single_rank_distri
                 offload_extra_config=offload_extra_config,
             )
         cfg = va.make_vllm_config(
-            tiny_model_dir,
+            model_dir,
             block_size=block_size,
             num_gpu_blocks=num_blocks,
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             kv_transfer_config=kv_transfer_config,
             tensor_parallel_size=tensor_parallel_size,
+            **extra,
         )
         ranks: list[va.WorkerRank] = []
+        kinds: dict[str, Any] = {}
         if planned:
-            plan = va.plan(cfg, va.attention_layer_specs(cfg, block_size, tensor_parallel_size), num_blocks)
+            builder.configure(cfg, shape, side)
+            plan = va.plan(cfg, builder.layer_specs(cfg, shape, block_size, tensor_parallel_size), num_blocks)
             kvc = plan.scheduler
+            kinds = builder.kinds(cfg, kvc)
             with setup_owned_by(WORKER_UP):
                 for r in range(tensor_parallel_size):
                     ranks.append(
@@ -489,7 +552,7 @@ def make_engine(request, release, tiny_model_dir, nixl_agent, single_rank_distri
                             r,
                             tp_size=tensor_parallel_size,
                             first_kv_head=va.first_kv_head(cfg, r),
-                            make_caches=lambda c: va.allocate(cfg, c),
+                            make_caches=lambda c: builder.allocate(cfg, c),
                         )
                     )
                     va.prepare_offload_worker(ranks[-1], transport)
@@ -503,7 +566,10 @@ def make_engine(request, release, tiny_model_dir, nixl_agent, single_rank_distri
                     va.prepare_offload_worker(ranks[-1], transport)
                     ranks[-1].register()
                 va.report_offload_blocks(cfg, ranks)
-        engine = Engine(va.make_scheduler(cfg, kvc), cfg, kvc, ranks, order)
+        hooks = {"stepper": getattr(builder, "step", None), "runner_output": getattr(builder, "runner_output", None)}
+        engine = Engine(
+            va.make_scheduler(cfg, kvc), cfg, kvc, ranks, order, shape=shape, kinds=kinds, **(hooks if planned else {})
+        )
         _record_request_ids(engine)
         engine.baseline_free = engine.free_blocks()
         if pair:  # a test's own children (an ExampleConnector, ...) have no CPU tier to account for
@@ -550,11 +616,19 @@ def make_pd(make_engine):
     MultiConnector, which starts Nixl's listener)."""
 
     def _make(decode: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Engine, Engine]:
-        p = make_engine(engine_id=P_ENGINE, side="prefill", **kwargs)
+        shape = kwargs.get("shape")
+        pair = getattr(deploy.builder(shape), "make_pd", None) if shape is not None else None
+        if pair is not None:  # a shape whose pair is more than two engines built side by side (kvcompat.testkit.deploy)
+            return pair(_prefill, make_engine, shape, decode or {}, kwargs)
+        return _prefill(**kwargs), make_engine(engine_id=D_ENGINE, **{**kwargs, "side": "decode", **(decode or {})})
+
+    def _prefill(engine_id: str = P_ENGINE, **kwargs: Any) -> Engine:
+        """A prefill engine serving its Nixl handshake, every rank's metadata, as EngineCore sets it up."""
+        p = make_engine(engine_id=engine_id, side="prefill", **kwargs)
         with setup_owned_by(HANDSHAKE):
             va.serve_nixl_handshake(p.multi, *(r.connector for r in p.ranks))
         p.baseline = p.idle_state()  # an idle P serves its handshake (EngineCore does it at startup)
-        return p, make_engine(engine_id=D_ENGINE, **{**kwargs, "side": "decode", **(decode or {})})
+        return p
 
     return _make
 
@@ -711,15 +785,18 @@ def read_received(d: Engine, rid: str) -> bool:
 def assert_blocks_hold_the_prompt(d: Engine, block_ids: Any, prompt: list[int], full: int) -> int:
     """Every rank of D holds, in each layer, the KV a forward pass over ``prompt`` writes for its first
     ``full`` blocks, in the blocks the Scheduler gave that layer's KV-cache group (``block_ids``, as
-    ``get_block_ids`` returns them).  Returns how many blocks were compared."""
+    ``get_block_ids`` returns them): each rank its own KV heads, each layer as its kind holds it (an
+    attention layer every block, a state layer its state blocks).  Returns how many blocks were compared."""
     compared = 0
     for g, group in enumerate(d.kv_cache_config.kv_cache_groups):
-        for j, block_id in enumerate(va.group_block_ids(block_ids, g)[:full]):
-            for rank in d.ranks:
-                for layer in group.layer_names:
+        bs = group.kv_cache_spec.block_size
+        for layer in group.layer_names:
+            kind = d.kinds.get(layer, va.ATTENTION)
+            for j, block_id, prefix in kind.held(va.group_block_ids(block_ids, g), prompt, bs, full):
+                for rank in d.ranks:
                     cache = rank.kv_caches[layer]
-                    want = va.expected_block(cache, layer, prompt[: (j + 1) * BLOCK], rank.first_kv_head)
-                    assert va.same_bytes(va.kv_cache_block(cache, block_id), want), (
+                    want = kind.expected(cache, layer, prefix, rank.first_kv_head, bs)
+                    assert va.same_bytes(kind.block(cache, block_id, bs), want), (
                         f"D's block {block_id} (prompt block {j}, {layer}, KV-cache group {g}, TP rank {rank.rank} "
                         f"of {rank.tp_size}) does not hold the KV P computed"
                     )

@@ -25,7 +25,8 @@ from conftest import (
     token_ids,
 )
 
-TRANSFER_SHAPES = ("dense", "hetero-tp")
+# Every family whose P/D transfer the contracts below check: all of them.
+TRANSFER_SHAPES = ("dense", "hybrid", "hetero-tp", "mla", "drafts", "restarted-prefill", "async-sched")
 
 
 def _deploy(make_pd, shape):

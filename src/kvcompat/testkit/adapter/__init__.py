@@ -69,7 +69,7 @@ from kvcompat.testkit.adapter.engine import (
     make_scheduler,
     multi_child_connector,
 )
-from kvcompat.testkit.adapter.forward import Forward, expected_block, same_bytes
+from kvcompat.testkit.adapter.forward import ATTENTION, AttentionKind, Forward, expected_block, same_bytes
 from kvcompat.testkit.adapter.idle import IdleState, idle_state, pinned_cpu_blocks
 from kvcompat.testkit.adapter.kv_cache import (
     group_block_ids,
@@ -109,6 +109,8 @@ from kvcompat.testkit.adapter.worker import (
 )
 
 __all__ = [
+    "ATTENTION",
+    "AttentionKind",
     "Plan",
     "allocate",
     "attention_layer_specs",

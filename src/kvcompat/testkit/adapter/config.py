@@ -165,12 +165,19 @@ def make_vllm_config(
     kv_transfer_config: Any = None,
     disable_hybrid_kv_cache_manager: bool | None = None,
     tensor_parallel_size: int = 1,
+    model_extra: dict[str, Any] | None = None,
+    cache_extra: dict[str, Any] | None = None,
+    scheduler_extra: dict[str, Any] | None = None,
+    speculative: dict[str, Any] | None = None,
 ) -> Any:
     """VllmConfig with the tiny local model on DeviceConfig("cpu"), ``tensor_parallel_size`` ranks.
 
     ``disable_hybrid_kv_cache_manager=None`` leaves the release's own default, so
     the release decides whether HMA is on (its ``SchedulerConfig`` default became
-    ``None``, resolved by the release itself, in 0.17).
+    ``None``, resolved by the release itself, in 0.17).  ``model_extra``, ``cache_extra`` and
+    ``scheduler_extra``: more of a user's settings for ModelConfig, CacheConfig and SchedulerConfig
+    (a deployment shape's, kvcompat.testkit.deploy), passed only where the release's class takes them;
+    ``speculative``: a user's ``--speculative-config`` (SpeculativeConfig's arguments).
     """
     from vllm.config import (
         CacheConfig,
@@ -189,6 +196,7 @@ def make_vllm_config(
         seed=0,
         skip_tokenizer_init=True,
         max_model_len=MAX_MODEL_LEN,
+        **(model_extra or {}),
     )
     sched_kwargs: dict[str, Any] = dict(
         max_num_seqs=max_num_seqs,
@@ -199,22 +207,36 @@ def make_vllm_config(
     )
     if disable_hybrid_kv_cache_manager is not None:
         sched_kwargs["disable_hybrid_kv_cache_manager"] = disable_hybrid_kv_cache_manager
+    sched_kwargs.update(scheduler_extra or {})
     scheduler_config = call_with_supported(SchedulerConfig, **sched_kwargs)
     cache_config = call_with_supported(
         CacheConfig,
         block_size=block_size,
         enable_prefix_caching=True,
         cache_dtype="auto",
+        **(cache_extra or {}),
     )
     if kv_transfer_config is None:
         kv_transfer_config = multi_kv_transfer_config(block_size, num_gpu_blocks, world_size=tensor_parallel_size)
+    parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    parts: dict[str, Any] = {}
+    if speculative is not None:
+        from vllm.config import SpeculativeConfig
+
+        parts["speculative_config"] = call_with_supported(
+            SpeculativeConfig,
+            **speculative,
+            target_model_config=model_config,
+            target_parallel_config=parallel_config,
+        )
     vllm_config = VllmConfig(
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
-        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        parallel_config=parallel_config,
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=kv_transfer_config,
+        **parts,
     )
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
     return vllm_config

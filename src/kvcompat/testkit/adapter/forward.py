@@ -55,12 +55,54 @@ def same_bytes(a: Any, b: Any) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
 
 
-class Forward:
-    """The KV writes of one scheduled step: for each scheduled request, the blocks it computes."""
+class AttentionKind:
+    """How an attention layer's KV cache looks to the suite: block ``j`` of a request holds the KV of the
+    request's tokens in that block, a pattern that depends on the prefix up to the block's end (and per
+    KV head, see :func:`fill_block`).  Other layer kinds (a Mamba state, an MLA latent) are defined with
+    the shapes that bring them (kvcompat.testkit.deploy) and answer the same four questions."""
 
-    def __init__(self, scheduler: Any, scheduler_output: Any, kv_cache_config: Any) -> None:
-        # (layer, block id, tokens up to the block's end, the layer's block size: engines of a P/D pair may differ)
+    name = "attention"
+
+    def block(self, cache: Any, block_id: int, block_size: int) -> Any:
+        """Block ``block_id`` of a layer's cache on a rank."""
+        return kv_cache_block(cache, block_id, block_size)
+
+    def writes(self, start: int, end: int, ids: list[int], block_size: int, tokens: list[int]) -> list:
+        """What a step computing tokens ``[start, end)`` writes: (block id, the prefix its content depends on)."""
+        out = []
+        for j in range(start // block_size, -(-end // block_size)):
+            if j < len(ids) and ids[j] != NULL_BLOCK:
+                out.append((ids[j], tokens[: min(end, (j + 1) * block_size)]))
+        return out
+
+    def fill(self, cache: Any, block_id: int, block_size: int, layer: str, prefix: list[int], first_head: int) -> None:
+        fill_block(kv_cache_block(cache, block_id, block_size), layer, prefix, first_head, block_size)
+
+    def expected(self, cache: Any, layer: str, prefix: list[int], first_head: int, block_size: int) -> Any:
+        view = kv_cache_block(cache, NULL_BLOCK, block_size).clone()
+        fill_block(view, layer, prefix, first_head, block_size)
+        return view
+
+    def held(self, ids: list[int], prompt: list[int], block_size: int, full: int) -> list[tuple[int, int, list[int]]]:
+        """The blocks of a request whose first ``full`` blocks were computed over ``prompt`` that hold
+        content, as (prompt block index, block id, the prefix it depends on)."""
+        return [(j, ids[j], prompt[: (j + 1) * block_size]) for j in range(min(full, len(ids)))]
+
+
+ATTENTION = AttentionKind()
+
+
+class Forward:
+    """The KV writes of one scheduled step: for each scheduled request, the blocks it computes.
+
+    ``kinds`` says how each layer's cache looks (:class:`AttentionKind` for every layer unless given)."""
+
+    def __init__(
+        self, scheduler: Any, scheduler_output: Any, kv_cache_config: Any, kinds: dict[str, Any] | None = None
+    ) -> None:
+        # (layer, block id, the prefix its content depends on, the layer's block size: engines of a pair may differ)
         self.writes: list[tuple[str, int, list[int], int]] = []
+        self.kinds = kinds or {}
         group_of = {name: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for name in grp.layer_names}
         groups = kv_cache_config.kv_cache_groups
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -74,13 +116,16 @@ class Forward:
             for layer in group_of:
                 ids = group_block_ids(block_ids, group_of[layer])
                 bs = groups[group_of[layer]].kv_cache_spec.block_size
-                for j in range(start // bs, -(-end // bs)):
-                    if j < len(ids) and ids[j] != NULL_BLOCK:
-                        self.writes.append((layer, ids[j], tokens[: min(end, (j + 1) * bs)], bs))
+                for block_id, prefix in self.kind(layer).writes(start, end, ids, bs, tokens):
+                    self.writes.append((layer, block_id, prefix, bs))
+
+    def kind(self, layer: str) -> Any:
+        return self.kinds.get(layer, ATTENTION)
 
     def write_kv(self, layer: str, cache: Any, first_head: int = 0) -> None:
-        """What layer ``layer``'s attention writes into its KV cache ``cache`` in this step, on a rank
-        whose first KV head is ``first_head``."""
-        for name, block_id, tokens, bs in self.writes:
+        """What layer ``layer`` writes into its KV cache ``cache`` in this step, on a rank whose first KV
+        head is ``first_head``."""
+        kind = self.kind(layer)
+        for name, block_id, prefix, bs in self.writes:
             if name == layer:
-                fill_block(kv_cache_block(cache, block_id, bs), layer, tokens, first_head, bs)
+                kind.fill(cache, block_id, bs, layer, prefix, first_head)
