@@ -628,6 +628,7 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
         force=values.force,
         min_free_gb=values.min_free_gb,
         disk_budget_gb=values.disk_budget,
+        shapes=getattr(values, "shapes", ()),
         find_links=values.find_links,
         index_url=values.index_url,
         upstream_index=values.index_url,

@@ -72,6 +72,17 @@ def folder(flag: str, value: str) -> Path:
     return path
 
 
+def shape_list(flag: str, value: str) -> tuple[str, ...]:
+    """Deployment shapes or shape families (kvcompat.shapes), space- or comma-separated."""
+    from kvcompat import shapes
+
+    try:
+        shapes.parse(value)
+    except ValueError as exc:
+        raise OptionError(f"{flag} {value!r}: {exc}") from None
+    return tuple(value.replace(",", " ").split())
+
+
 def torch_spec(flag: str, value: str) -> str:
     if value != "pinned":
         try:
@@ -191,6 +202,16 @@ OPTIONS: tuple[Option, ...] = (
         url,
         env="KVCOMPAT_UPSTREAM_INDEX",
         metavar="URL",
+    ),
+    Option(
+        "--shapes",
+        "the deployment shapes the connector suite runs its shaped contracts in: shape ids or families "
+        "(dense, hybrid, hetero-tp, mla, drafts, restarted-prefill, async-sched), space-separated; default: all",
+        ("matrix", "bisect", "qualify"),
+        shape_list,
+        default=(),
+        env="KVCOMPAT_SHAPES",
+        metavar="SHAPES",
     ),
     Option(
         "--summary-file",

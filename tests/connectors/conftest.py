@@ -73,6 +73,8 @@ STORED = "test_offload_child_loads_prefix_after_store_completes"
 # (test_multi_scheduler.py), and the one that owns a whole P/D read (test_multi_worker.py).
 PREFILLED = "test_prefill_finish_returns_nixl_transfer_params"
 PD_READ = "test_decode_reads_exactly_the_kv_the_prefill_side_computed"
+# The contract that owns a whole P/D read in a deployment shape (test_shapes.py, once per shape).
+SHAPE_PD_READ = "test_pd_read_fills_each_rank_with_its_heads_and_nothing_else"
 P_ENGINE = "kvcompat-prefill"
 D_ENGINE = "kvcompat-decode"
 MAX_IDLE_STEPS = 60  # what an engine may take to drain once its requests are done
@@ -780,6 +782,24 @@ def cpu_tier_hit(engine: Engine, prompt: list[int], req_id: str) -> int:
 def read_received(d: Engine, rid: str) -> bool:
     """Whether D's workers have reported ``rid``'s remote KV received (the step the read completes)."""
     return any(rid in (o.finished_recving or ()) for o in d.kv_outputs if o)
+
+
+def read_failure(d: Engine, rid: str) -> str | None:
+    """What D's workers reported failed about ``rid``'s read (a failed receive, blocks that failed to load),
+    None when nothing: a read reported received may still have failed (the release then recomputes)."""
+    d_blocks = set()
+    if rid in d.scheduler.requests:
+        ids = d.scheduler.kv_cache_manager.get_block_ids(rid)
+        d_blocks = {b for g in range(len(d.kv_cache_config.kv_cache_groups)) for b in va.group_block_ids(ids, g)}
+    for o in d.kv_outputs:
+        if not o:
+            continue
+        if rid in (getattr(o, "failed_recving", None) or ()):
+            return "the workers reported the receive failed"
+        invalid = set(getattr(o, "invalid_block_ids", None) or ()) & d_blocks
+        if invalid:
+            return f"the workers reported blocks {sorted(invalid)} failed to load"
+    return None
 
 
 def assert_blocks_hold_the_prompt(d: Engine, block_ids: Any, prompt: list[int], full: int) -> int:

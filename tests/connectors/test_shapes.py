@@ -21,6 +21,7 @@ from conftest import (
     assert_blocks_hold_the_prompt,
     assert_no_leak,
     patient_steps,
+    read_failure,
     read_received,
     token_ids,
 )
@@ -82,6 +83,8 @@ def test_pd_read_fills_each_rank_with_its_heads_and_nothing_else(make_pd, shape)
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             break
     assert read_received(d, "shape-pd"), f"D's read of P's blocks never finished ({shape.id})"
+    failure = read_failure(d, "shape-pd")
+    assert failure is None, f"D's read of P's blocks failed ({shape.id}): {failure}"
     full = len(prompt) // BLOCK
     assert_blocks_hold_the_prompt(d, d_blocks, prompt, full)
     held = {(g, b) for g in range(len(d.kv_cache_config.kv_cache_groups)) for b in va.group_block_ids(d_blocks, g)}

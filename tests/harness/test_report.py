@@ -561,3 +561,56 @@ def test_an_e2e_cell_joins_its_releases_timeline_column(tmp_path):
     assert [c.release for c in tl.columns] == ["0.28.0", "0.29.0"]
     row = next(r for r in tl.rows if r.suite == "e2e")
     assert [sq.status for sq in row.squares] == ["pass", "test fail"] and row.first_fail == "0.29.0"
+
+
+def test_the_deployment_shapes_table_says_which_shapes_pass_per_cell(tmp_path):
+    """Shaped contracts' results carry their shape: the report has a table of shapes down and cells across,
+    each square the shape's contracts passed out of those run there (n/a where the release cannot have it),
+    a red shape's first failing contract under it, and a line per cell under the terminal grid."""
+    shaped = "tests/connectors/test_shapes.py::test_pd_read"
+    newer = make_result("0.34.0", "2.14.0", Outcome.PASS, tests=[("test_store", "passed", None)])
+    newer.tests += [
+        TestResult(f"{shaped}[dense]", TestOutcome.PASSED, 0.1, shape="dense"),
+        TestResult(f"{shaped}[hetero-tp-p1d4]", TestOutcome.PASSED, 0.1, shape="hetero-tp-p1d4"),
+        TestResult(f"{shaped}[mla]", TestOutcome.NOT_APPLICABLE, 0.1, "no MLA here", shape="mla"),
+    ]
+    older = make_result("0.22.1", "2.11.0", Outcome.TEST_FAIL, tests=[("test_store", "passed", None)])
+    older.tests += [
+        TestResult(f"{shaped}[dense]", TestOutcome.PASSED, 0.1, shape="dense"),
+        TestResult(
+            f"{shaped}[hetero-tp-p1d4]",
+            TestOutcome.FAILED,
+            0.1,
+            "AssertionError: D's read of P's blocks never finished (hetero-tp-p1d4)",
+            shape="hetero-tp-p1d4",
+        ),
+    ]
+    write_result(tmp_path, newer)
+    write_result(tmp_path, older)
+    rep = build_report([tmp_path])
+    assert rep.shapes() == ["dense", "hetero-tp-p1d4", "mla"]  # registry order
+    md = render_markdown(rep)
+    section = md.split("## Deployment shapes", 1)[1].split("\n## ", 1)[0]
+    row = next(ln for ln in section.splitlines() if ln.startswith("| `hetero-tp-p1d4`"))
+    assert "🟢 1/1" in row and "🔴 0/1" in row
+    assert "| `mla`" in section and "⚪ n/a" in section
+    assert "**hetero-tp-p1d4** in 0.22.1" in section and "never finished" in section
+    terminal = render_terminal(rep)
+    assert "shapes 0.22.1 / torch 2.11.0: hetero-tp-p1d4 test fail (0/1)" in terminal
+    assert "shapes 0.34.0 / torch 2.14.0: all 2 pass" in terminal
+    from kvcompat.report.webpage import render_html
+
+    page = render_html(rep)
+    assert "<h2>Deployment shapes</h2>" in page and "hetero-tp-p1d4" in page
+
+
+def test_a_result_carries_its_shape_through_the_results_file(tmp_path):
+    result = make_result("0.34.0", "2.14.0", Outcome.PASS)
+    result.tests = [TestResult("t.py::test_x[hybrid]", TestOutcome.PASSED, 0.1, shape="hybrid")]
+    path = write_result(tmp_path, result)
+    back = json.loads(path.read_text())
+    assert back["tests"][0]["shape"] == "hybrid"
+    from kvcompat.results import read_result
+
+    again = read_result(path)
+    assert again.tests[0].shape == "hybrid" and again.tests[0].contract == "test_x"

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report.drift import environment_pairs
-from kvcompat.report.model import BAD_TESTS, Report, Timeline, TimelineRow, short_test, suite_tally
+from kvcompat.report.model import (
+    BAD_TESTS,
+    Report,
+    Timeline,
+    TimelineRow,
+    shape_verdicts,
+    shape_what,
+    short_test,
+    suite_tally,
+)
 from kvcompat.results import headline
 
 MARK = {
@@ -98,6 +107,40 @@ def render_timeline(tl: Timeline) -> list[str]:
     return out
 
 
+def render_shapes(rep: Report) -> list[str]:
+    """Which deployment shapes pass per cell: shapes down, cells across; each square the shape's contracts
+    passed out of those that ran, and under the table every red shape's first failing contract."""
+    cells = rep.shaped_cells()
+    if not cells:
+        return []
+    heads = [f"{gc.row} / {rep.column(gc)}" for gc in cells]
+    out = [
+        "## Deployment shapes",
+        "",
+        "Each contract about transfer, storage or block accounting runs once per deployment shape "
+        "(`--shapes` picks them); a shape passes in a cell when every contract it ran there passed.",
+        "",
+        "| shape | " + " | ".join(heads) + " |",
+        "|---|" + ":-:|" * len(heads),
+    ]
+    verdicts = [shape_verdicts(gc) for gc in cells]
+    red: list[str] = []
+    for shape in rep.shapes():
+        marks = []
+        for gc, by_shape in zip(cells, verdicts, strict=True):
+            v = by_shape.get(shape)
+            marks.append(f"{MARK[v.outcome]} {v.text()}" if v else "")
+            if v and v.red:
+                t = v.red[0]
+                red.append(
+                    f"- **{shape}** in {gc.row} / {rep.column(gc)}: `{short_test(t.nodeid)}` {t.outcome.value}: "
+                    f"{headline(t.message)}"[:400]
+                )
+        what = shape_what(shape)
+        out.append(f"| `{shape}`" + (f"<br><sub>{what}</sub>" if what else "") + " | " + " | ".join(marks) + " |")
+    return out + [""] + red + ([""] if red else [])
+
+
 def render_markdown(rep: Report) -> str:
     out = ["# vLLM KV-connector compatibility: MultiConnector(NixlConnector + CPU offload)", ""]
     if not rep.results:
@@ -111,6 +154,8 @@ def render_markdown(rep: Report) -> str:
         cells = [(f"{MARK[gc.outcome]} {gc.text()}" if (gc := rep.at(row, col)) else "") for col in rep.columns]
         out.append(f"| **{row}** | " + " | ".join(cells) + " |")
     out += ["", "Legend: " + ", ".join(f"{m} {o.label}" for o, m in MARK.items()), ""]
+
+    out += render_shapes(rep)
 
     ran_how = [gc for gc in rep.ordered() if gc.facts]
     if ran_how:

@@ -18,6 +18,8 @@ from packaging.version import InvalidVersion, Version
 
 from kvcompat.outcomes import CHILD_ORDERS, Outcome, TestOutcome, cell_outcome
 from kvcompat.results import CellResult, TestResult, UnreadableResult, count_tests, scan_results
+from kvcompat.shapes import BY_ID as SHAPES_BY_ID
+from kvcompat.shapes import SHAPES
 
 # The fact (kvcompat.testkit.record_fact) that says which worker the CPU-offload child ran: the real
 # one with its CUDA transport on CPU, or scripted transfers (OffloadingConnector, up to 0.18).
@@ -249,6 +251,14 @@ class Report:
         new_pass = sorted(k for k, v in now.items() if v in good and self.previous.get(k) in bad)
         return {"new_failures": new_fail, "new_passes": new_pass}
 
+    def shapes(self) -> list[str]:
+        """Every deployment shape a shaped contract ran in, in registry order."""
+        return sorted({t.shape for gc in self.cells for t in gc.tests if t.shape}, key=shape_order)
+
+    def shaped_cells(self) -> list[GridCell]:
+        """The squares (in display order) whose tests ran deployment shapes."""
+        return [gc for gc in self.ordered() if any(t.shape for t in gc.tests)]
+
     def disagreements(self) -> list[tuple[GridCell, GridCell]]:
         """(ours, upstream) for each cell where our suite and vLLM's upstream suite disagree."""
         by_cell: dict[str, dict[str, GridCell]] = defaultdict(dict)
@@ -312,6 +322,53 @@ class Report:
 
 def short_test(nodeid: str) -> str:
     return nodeid.split("/")[-1]
+
+
+# -- deployment shapes: which shapes pass per cell ---------------------------------------------
+
+
+@dataclasses.dataclass
+class ShapeVerdict:
+    """The shaped contracts one cell ran in one deployment shape (kvcompat.shapes), and what they add up to."""
+
+    shape: str
+    tests: list[TestResult]
+
+    @property
+    def outcome(self) -> Outcome:
+        """Pass only when every contract of the shape ran and passed (n/a where the release cannot have it)."""
+        return cell_outcome(t.outcome for t in self.tests)
+
+    @property
+    def red(self) -> list[TestResult]:
+        return [t for t in self.tests if t.outcome in BAD_TESTS]
+
+    def text(self) -> str:
+        counts = count_tests(self.tests)
+        if self.outcome is Outcome.NOT_APPLICABLE:
+            return "n/a"
+        return f"{counts['passed']}/{len(self.tests)}"
+
+
+def shape_order(shape_id: str) -> tuple[int, str]:
+    """Registry order (kvcompat.shapes); a shape this kvcompat does not know last, by name."""
+    ids = [s.id for s in SHAPES]
+    return (ids.index(shape_id), "") if shape_id in ids else (len(ids), shape_id)
+
+
+def shape_what(shape_id: str) -> str:
+    """One line on what a shape deploys ("" for a shape this kvcompat does not know)."""
+    known = SHAPES_BY_ID.get(shape_id)
+    return known.what if known else ""
+
+
+def shape_verdicts(gc: GridCell) -> dict[str, ShapeVerdict]:
+    """Per deployment shape, the shaped contracts this square ran in it (empty for a suite without shapes)."""
+    by_shape: dict[str, list[TestResult]] = defaultdict(list)
+    for t in gc.tests:
+        if t.shape:
+            by_shape[t.shape].append(t)
+    return {s: ShapeVerdict(s, by_shape[s]) for s in sorted(by_shape, key=shape_order)}
 
 
 # -- the timeline: contracts down, releases across ---------------------------------------------

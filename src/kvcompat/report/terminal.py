@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from kvcompat.outcomes import Outcome
-from kvcompat.report.model import SQUARE_OUTCOME, Report, Timeline
+from kvcompat.report.model import SQUARE_OUTCOME, Report, Timeline, shape_verdicts
 
 ANSI = {
     Outcome.PASS: "32",
@@ -64,8 +64,20 @@ def render_terminal(rep: Report, color: bool = False) -> str:
     if rep.is_history:
         timelines = rep.timelines()
         parts = [(f"{tl.title}:\n" if len(timelines) > 1 else "") + render_timeline(tl, color) for tl in timelines]
-        return "\n\n".join(parts) + "\n\n" + _grid(rep, color)
-    return _grid(rep, color)
+        return "\n\n".join(parts) + "\n\n" + _grid(rep, color) + _shape_lines(rep)
+    return _grid(rep, color) + _shape_lines(rep)
+
+
+def _shape_lines(rep: Report) -> str:
+    """Under the grid, per cell that ran deployment shapes: the shapes that are not green, or that all passed."""
+    lines = []
+    for gc in rep.shaped_cells():
+        by_shape = shape_verdicts(gc)
+        bad = [f"{s} {v.outcome.label} ({v.text()})" for s, v in by_shape.items() if not v.outcome.is_green]
+        ok = sum(v.outcome is Outcome.PASS for v in by_shape.values())
+        say = "; ".join(bad) if bad else f"all {ok} pass"
+        lines.append(f"shapes {gc.row} / {rep.column(gc)}: {say}")
+    return ("\n" + "\n".join(lines)) if lines else ""
 
 
 def _grid(rep: Report, color: bool) -> str:

@@ -13,7 +13,17 @@ import re
 from html import escape
 
 from kvcompat.outcomes import Outcome, TestOutcome
-from kvcompat.report.model import SQUARE_OUTCOME, GridCell, Report, Timeline, short_test, suite_tallies
+from kvcompat.report.model import (
+    SQUARE_OUTCOME,
+    GridCell,
+    Report,
+    Timeline,
+    shape_verdicts,
+    shape_what,
+    short_test,
+    suite_tallies,
+)
+from kvcompat.results import headline
 
 COLOURS = {
     Outcome.PASS: ("#1a7f37", "#dafbe1"),
@@ -204,6 +214,37 @@ def _timeline(tl: Timeline) -> str:
     return "".join(head + body) + "</tbody></table></div>" + legend + "</div>"
 
 
+def _shapes(rep: Report) -> str:
+    """Which deployment shapes pass per cell (the Markdown report's table), each square linked to its cell."""
+    cells = rep.shaped_cells()
+    if not cells:
+        return ""
+    verdicts = [shape_verdicts(gc) for gc in cells]
+    parts = [
+        "<h2>Deployment shapes</h2><p>Each contract about transfer, storage or block accounting runs once per "
+        "deployment shape; a shape passes in a cell when every contract it ran there passed.</p>"
+        '<table class="grid"><tr><th>shape</th>'
+        + "".join(f"<th>{escape(gc.row)} / {escape(rep.column(gc))}</th>" for gc in cells)
+        + "</tr>"
+    ]
+    for shape in rep.shapes():
+        what = shape_what(shape)
+        parts.append(f'<tr><th title="{escape(what)}"><code>{escape(shape)}</code></th>')
+        for gc, by_shape in zip(cells, verdicts, strict=True):
+            v = by_shape.get(shape)
+            if v is None:
+                parts.append("<td></td>")
+                continue
+            red = v.red[0] if v.red else None
+            title = f"{short_test(red.nodeid)}: {headline(red.message)}" if red else ""
+            parts.append(
+                f'<td class="cell" data-outcome="{v.outcome.value}" title="{escape(title)}">'
+                f'<a href="#{panel_id(gc)}" style="{_style(v.outcome)}">{escape(v.text())}</a></td>'
+            )
+        parts.append("</tr>")
+    return "".join(parts) + "</table>"
+
+
 def render_html(rep: Report) -> str:
     head = (
         '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>kvcompat report</title>'
@@ -241,6 +282,7 @@ def render_html(rep: Report) -> str:
                 )
         body.append("</tr>")
     body.append("</table>")
+    body.append(_shapes(rep))
     body.extend(_panel(rep, gc) for gc in rep.ordered())
     e2e = rep.e2e_disagreements()
     if e2e:

@@ -19,6 +19,7 @@ class RunOptions:
     import_timeout_s: float = 600.0
     force: bool = False  # ignore a cached result with the same key
     pytest_args: tuple[str, ...] = ()
+    shapes: tuple[str, ...] = ()  # the deployment shapes the suite runs (kvcompat.shapes); () all of them
     min_free_gb: float | None = None  # an explicit floor; None: estimated from the lock (run.diskneed)
     disk_budget_gb: float | None = None  # uv's cache size kept before each install (run.cachebudget)
     work_dir: Path | None = None  # per-cell logs and locks; default .kvcompat/cells

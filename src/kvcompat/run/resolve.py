@@ -99,10 +99,10 @@ def cell_suite_hash(cell: Cell, opts: RunOptions) -> str:
 
 def cache_key(lock: str, suite: str, cell: Cell, python: str, opts: RunOptions) -> str:
     """Identity of a cell run: resolved lock, suite source, exact Python, NIXL, suites, a local wheel's
-    bytes, and what selects or bounds the tests (pytest arguments, timeout): a ``-k`` subset that
-    passed must never answer for the whole suite."""
+    bytes, and what selects or bounds the tests (pytest arguments, timeout, deployment shapes): a ``-k``
+    subset that passed must never answer for the whole suite."""
     wheel = hashlib.sha256(cell.wheel.read_bytes()).hexdigest() if cell.wheel else None
-    run = [list(opts.pytest_args), opts.timeout_s]
+    run = [list(opts.pytest_args), opts.timeout_s] + ([list(opts.shapes)] if opts.shapes else [])
     return hashlib.sha256(
         json.dumps([lock, suite, python, cell.nixl, list(cell.suites), wheel, run]).encode()
     ).hexdigest()[:16]

