@@ -13,6 +13,7 @@ import copy
 import importlib
 import importlib.util
 import inspect
+import time
 from typing import Any
 
 import pytest
@@ -120,6 +121,40 @@ def test_a_prefill_only_request_is_stored_in_the_cpu_tier_and_the_engine_goes_id
     engine.run_until_idle()  # fails when the engine still says it has work after MAX_IDLE_STEPS steps
     served = cpu_tier_hit(engine, prompt, "prefill-only-again")
     assert served >= 3 * BLOCK, f"the CPU tier serves {served} tokens of a prefill-only prompt of {len(prompt)}"
+    assert_no_leak(engine)
+
+
+QUIET_S = 1.0  # an engine left alone this long (no traffic, no steps) still serves what it stored
+
+
+def test_the_engine_keeps_stepping_while_a_finished_requests_store_is_queued_and_serves_it_after_a_quiet_period(
+    engine, transport
+):
+    """When a request's last step completes blocks, their store is queued when the request finishes and
+    issued at the next step: until it is, the scheduler says it has work (not only while a store is in
+    flight), so an engine that steps only while it has work (EngineCore's loop) issues and completes it and
+    then goes idle; left alone for a while, the engine then serves the whole prompt from the CPU tier, and
+    nothing leaks.  An engine that goes idle with the store still queued never issues it: the prompt's
+    blocks stay pinned and the next request for it recomputes."""
+    prompt = token_ids(3 * BLOCK + 5, start=2300)
+    launched = transport.launched()
+    engine.scheduler.add_request(va.make_request("queued-store", prompt, max_tokens=1))
+    engine.run(["queued-store"])
+    queued = transport.launched() == launched
+    assert engine.scheduler.has_requests(), (
+        "the engine says it has no work right after a request finished, with its store "
+        + ("queued but not issued" if queued else "in flight")
+    )
+    steps = engine.run_until_idle()
+    with setup_owned_by(STORED):
+        assert transport.stores(), "the CPU-offload child stored nothing of the finished request"
+    assert steps > 0, "the engine took no step after the request finished: its store was never issued"
+    time.sleep(QUIET_S)
+    served = cpu_tier_hit(engine, prompt, "queued-store-again")
+    assert served >= 3 * BLOCK, (
+        f"after {steps} steps and a quiet {QUIET_S:.0f} s the CPU tier serves {served} tokens of the "
+        f"{len(prompt)}-token prompt (its 3 full blocks: {3 * BLOCK})"
+    )
     assert_no_leak(engine)
 
 

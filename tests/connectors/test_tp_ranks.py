@@ -261,3 +261,44 @@ def test_a_reset_while_one_rank_still_stores_releases_the_store_when_that_rank_f
     stored_prefix(engine, after, "tp-after-reset")
     assert cpu_tier_hit(engine, after, "tp-after-reset-hit") == 3 * BLOCK, "the tier stopped serving after the reset"
     assert_no_leak(engine)
+
+
+def test_blocks_failed_on_different_ranks_all_reach_the_scheduler_and_are_recomputed(
+    make_engine, transport, monkeypatch
+):
+    """A CPU-tier load on two ranks where each rank's CPU-offload worker names a different block it failed
+    to load (rank 0 the prompt's third block, rank 1 its second): the scheduler is told both (the union of
+    what the ranks report, not one rank's), counts nothing from the first failed block on as computed,
+    recomputes or fails the request as the release's load-failure policy says, and nothing leaks."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    if "invalid_block_ids" not in va.capabilities._field_names(KVConnectorOutput):
+        not_applicable("this release's KVConnectorOutput has no invalid_block_ids (no load-failure recovery)")
+    engine = _tp2(make_engine)
+    prompt = token_ids(3 * BLOCK + 5, start=6500)
+    stored_prefix(engine, prompt, "tp-union-src")
+    children = [r.connector._connectors[engine.offload_index] for r in engine.ranks]
+    failed = [
+        fail_a_loaded_block(monkeypatch, engine, children[0], "tp-union", index=2),
+        fail_a_loaded_block(monkeypatch, engine, children[1], "tp-union", index=1),
+    ]
+    req = va.make_request("tp-union", prompt, max_tokens=2)
+    engine.scheduler.add_request(req)
+    for _ in patient_steps(20):
+        if all(failed):
+            break
+        engine.step()
+    with setup_owned_by("test_a_block_failed_on_either_rank_is_recomputed"):
+        assert all(failed), f"a rank's load never completed (failed so far: {failed})"
+    engine.step()
+    told = set().union(*(set(getattr(o, "invalid_block_ids", None) or ()) for o in engine.kv_outputs if o))
+    both = failed[0] | failed[1]
+    assert both <= told, (
+        f"the scheduler was told blocks {sorted(told)} failed; the ranks reported {sorted(failed[0])} (rank 0) "
+        f"and {sorted(failed[1])} (rank 1)"
+    )
+    assert req.num_computed_tokens <= BLOCK or req.is_finished(), (
+        f"{req.num_computed_tokens} tokens counted as computed although the prompt's second block failed on rank 1"
+    )
+    engine.run(["tp-union"])
+    assert_no_leak(engine)
