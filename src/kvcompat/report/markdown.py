@@ -10,12 +10,12 @@ from kvcompat.report.model import (
     Report,
     Timeline,
     TimelineRow,
+    red_line,
     shape_verdicts,
     shape_what,
     short_test,
     suite_tally,
 )
-from kvcompat.results import headline
 
 MARK = {
     Outcome.PASS: "🟢",
@@ -134,7 +134,7 @@ def render_shapes(rep: Report) -> list[str]:
                 t = v.red[0]
                 red.append(
                     f"- **{shape}** in {gc.row} / {rep.column(gc)}: `{short_test(t.nodeid)}` {t.outcome.value}: "
-                    f"{headline(t.message)}"[:400]
+                    f"{red_line(gc, t)}"[:600]
                 )
         what = shape_what(shape)
         out.append(f"| `{shape}`" + (f"<br><sub>{what}</sub>" if what else "") + " | " + " | ".join(marks) + " |")
@@ -264,7 +264,7 @@ def render_markdown(rep: Report) -> str:
         out += [f"### {gc.row} / {rep.column(gc)}: {gc.outcome.label}", "", gc.detail or gc.result.detail, ""]
         for t in gc.tests:
             if t.outcome is not TestOutcome.PASSED:
-                out.append(f"- `{short_test(t.nodeid)}` {t.outcome.value}: {headline(t.message)}"[:400])
+                out.append(f"- `{short_test(t.nodeid)}` {t.outcome.value}: {red_line(gc, t)}"[:600])
         if not gc.tests and gc.result.log_tail:
             out += [
                 "",

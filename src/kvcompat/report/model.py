@@ -16,6 +16,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from kvcompat import known_bugs
 from kvcompat.outcomes import CHILD_ORDERS, Outcome, TestOutcome, cell_outcome
 from kvcompat.results import CellResult, TestResult, UnreadableResult, count_tests, scan_results
 from kvcompat.shapes import BY_ID as SHAPES_BY_ID
@@ -348,6 +349,21 @@ class ShapeVerdict:
         if self.outcome is Outcome.NOT_APPLICABLE:
             return "n/a"
         return f"{counts['passed']}/{len(self.tests)}"
+
+
+def known_bug(gc: GridCell, test: TestResult) -> known_bugs.KnownBug | None:
+    """The known vLLM bug (kvcompat.known_bugs) that explains ``test`` red in this square's release, if any."""
+    if test.outcome not in BAD_TESTS:
+        return None
+    return known_bugs.explaining(test.contract, test.shape, gc.result.cell["vllm"])
+
+
+def red_line(gc: GridCell, test: TestResult) -> str:
+    """A red test's one line for a report: its message's telling line, and the known bug behind it, if any."""
+    from kvcompat.results import headline
+
+    bug = known_bug(gc, test)
+    return headline(test.message) + (f" — {bug.line()}" if bug else "")
 
 
 def shape_order(shape_id: str) -> tuple[int, str]:

@@ -18,12 +18,12 @@ from kvcompat.report.model import (
     GridCell,
     Report,
     Timeline,
+    red_line,
     shape_verdicts,
     shape_what,
     short_test,
     suite_tallies,
 )
-from kvcompat.results import headline
 
 COLOURS = {
     Outcome.PASS: ("#1a7f37", "#dafbe1"),
@@ -236,7 +236,7 @@ def _shapes(rep: Report) -> str:
                 parts.append("<td></td>")
                 continue
             red = v.red[0] if v.red else None
-            title = f"{short_test(red.nodeid)}: {headline(red.message)}" if red else ""
+            title = f"{short_test(red.nodeid)}: {red_line(gc, red)}" if red else ""
             parts.append(
                 f'<td class="cell" data-outcome="{v.outcome.value}" title="{escape(title)}">'
                 f'<a href="#{panel_id(gc)}" style="{_style(v.outcome)}">{escape(v.text())}</a></td>'
