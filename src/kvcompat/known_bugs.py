@@ -11,7 +11,7 @@ like a new regression; a red test that no entry explains is new.  An entry::
     contracts = ["test_..."]               # the contracts (test function names) it turns red
     shapes = ["hetero-tp-p1d4"]            # the deployment shapes it shows in (omitted: any, or unshaped tests)
     releases = ">=0.20.2,<0.24.0"          # the affected releases (a PEP 440 specifier; open-ended while unfixed)
-    impact = "hang"                        # wrong-output | hang | leak | crash | refused | efficiency
+    impact = "hang"                        # wrong-output | hang | leak | crash | fails-requests | refused | efficiency
     where = "nixl/worker.py 0.22.1 L1541"  # the release's file and line
     upstream = "https://github.com/vllm-project/vllm/issues/45330"
     fix = "https://github.com/vllm-project/vllm/pull/45879"   # omitted while unfixed
@@ -30,7 +30,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 DATA = Path(__file__).with_name("known-bugs.toml")
-IMPACTS = ("wrong-output", "hang", "leak", "crash", "refused", "efficiency")
+IMPACTS = ("wrong-output", "hang", "leak", "crash", "fails-requests", "refused", "efficiency")
 
 
 @dataclasses.dataclass(frozen=True)

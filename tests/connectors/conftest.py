@@ -404,7 +404,13 @@ class Engine:
         """vLLM's P/D proxy protocol, prefill side: the request with ``max_tokens=1`` and
         ``do_remote_decode``; returns the kv_transfer_params it finished with (for the decode side)."""
         self.scheduler.add_request(
-            va.make_request(req_id, prompt, max_tokens=1, kv_transfer_params=va.remote_decode_params())
+            va.make_request(
+                req_id,
+                prompt,
+                max_tokens=1,
+                kv_transfer_params=va.remote_decode_params(),
+                block_size=self.vllm_config.cache_config.block_size,
+            )
         )
         self.run([req_id])
         params = self.finished_output(req_id).kv_transfer_params
@@ -812,7 +818,7 @@ def assert_blocks_hold_the_prompt(d: Engine, block_ids: Any, prompt: list[int], 
         bs = group.kv_cache_spec.block_size
         for layer in group.layer_names:
             kind = d.kinds.get(layer, va.ATTENTION)
-            for j, block_id, prefix in kind.held(va.group_block_ids(block_ids, g), prompt, bs, full):
+            for j, block_id, prefix in kind.held(va.group_block_ids(block_ids, g), prompt, bs, full * BLOCK // bs):
                 for rank in d.ranks:
                     cache = rank.kv_caches[layer]
                     want = kind.expected(cache, layer, prefix, rank.first_kv_head, bs)

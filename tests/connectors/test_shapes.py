@@ -49,10 +49,12 @@ def _written_outside(engine, before: dict, allowed: set[tuple[int, int]]) -> lis
     for (rank, name), old in before.items():
         cache = engine.ranks[rank].kv_caches[name]
         g = group_of[name]
+        bs = engine.kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size
+        kind = engine.kinds.get(name, va.ATTENTION)
         for block_id in range(1, engine.kv_cache_config.num_blocks):
             if (g, block_id) in allowed:
                 continue
-            if not va.same_bytes(va.kv_cache_block(cache, block_id), va.kv_cache_block(old, block_id)):
+            if not va.same_bytes(kind.block(cache, block_id, bs), kind.block(old, block_id, bs)):
                 changed.append(f"rank {rank} {name} block {block_id}")
     return changed
 
@@ -72,7 +74,15 @@ def test_pd_read_fills_each_rank_with_its_heads_and_nothing_else(make_pd, shape)
     with setup_owned_by(PREFILLED):
         params = p.prefill("shape-pd", prompt)
     before = _snapshot(d)
-    d.scheduler.add_request(va.make_request("shape-pd", prompt, max_tokens=2, kv_transfer_params=params))
+    d.scheduler.add_request(
+        va.make_request(
+            "shape-pd",
+            prompt,
+            max_tokens=2,
+            kv_transfer_params=params,
+            block_size=d.vllm_config.cache_config.block_size,
+        )
+    )
     d.step()
     req = d.scheduler.requests["shape-pd"]
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"D did not wait for P's KV: {req.status}"

@@ -188,16 +188,15 @@ def make_vllm_config(
         VllmConfig,
     )
 
-    model_config = call_with_supported(
-        ModelConfig,
+    model_kwargs: dict[str, Any] = dict(
         model=str(model_dir),
         tokenizer=str(model_dir),
         dtype="float32",
         seed=0,
         skip_tokenizer_init=True,
         max_model_len=MAX_MODEL_LEN,
-        **(model_extra or {}),
     )
+    model_config = call_with_supported(ModelConfig, **{**model_kwargs, **(model_extra or {})})
     sched_kwargs: dict[str, Any] = dict(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
