@@ -1,12 +1,13 @@
 """Regressions planted by hand in the files the pair runs besides multi_connector.py, one a file or more,
 each checked to turn a named contract red (issue 33: "a regression planted by hand in each of those files").
 
-Each entry: the file (under site-packages), an exact snippet of the release's code, what replaces it, and
-the contracts expected to go red.  For each, the script swaps the file in the cell's venv (a new file
-``os.replace``-d over the path: uv hardlinks installed files to its cache, so the file is never written
-through), runs the contracts' tests with the in-cell suite, restores the file, and prints one line:
+Each entry: the file (under site-packages), an exact snippet of the release's code, what replaces it, the
+contracts expected to go red, and the deployment shape whose path it breaks (kvcompat.shapes).  The script
+makes a hard-linked copy of the cell's venv (the cell's own venv never changes), and for each plant swaps the
+file in the copy (a new file ``os.replace``-d over the path: the links are never written through), runs the
+contracts' tests with the in-cell suite, restores the file, and prints one line:
 
-    python3 docs/evidence/planted_regressions.py .kvcompat/venvs/<cell>   [--only NAME]
+    python3 docs/evidence/planted_regressions.py .kvcompat/venvs/<cell>   [--only NAME] [--shape FAMILY]
 
 Exit status 1 if a planted regression left every expected contract green (the suite missed it).
 
@@ -33,6 +34,7 @@ from pathlib import Path
 
 KV = "vllm/distributed/kv_transfer/kv_connector"
 NIXL = f"{KV}/v1/nixl"
+SHAPE_READ = "test_shapes.py::test_pd_read_fills_each_rank_with_its_heads_and_nothing_else"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Plant:
     replacement: str
     red: tuple[str, ...]  # test node ids (relative to tests/connectors) that must fail
     also: tuple[tuple[str, str], ...] = ()  # (target, replacement): the same change, spelled as other releases do
+    shape: str = "dense"  # the deployment shape (kvcompat.shapes family) whose path the plant breaks
 
 
 PLANTS = (
@@ -120,6 +123,92 @@ PLANTS = (
             "test_tp_ranks.py::test_a_load_finishes_only_when_both_ranks_have_loaded",
         ),
     ),
+    Plant(
+        "aggregator-keeps-the-first-ranks-invalid-blocks",
+        f"{KV}/utils.py",
+        "            invalid_block_ids |= kv_output.invalid_block_ids\n",
+        "            invalid_block_ids |= set() if invalid_block_ids else kv_output.invalid_block_ids\n",
+        ("test_tp_ranks.py::test_blocks_failed_on_different_ranks_all_reach_the_scheduler_and_are_recomputed",),
+    ),
+    # -- deployment shapes (tests/connectors/test_shapes.py and test_shape_*.py) --------------------------
+    Plant(
+        "hetero-tp-every-decode-rank-reads-the-first-head",
+        f"{NIXL}/tp_mapping.py",
+        "    return tp_rank % (tp_size // remote_tp_size)\n",
+        "    return 0\n",
+        (f"{SHAPE_READ}[hetero-tp-p1d2]",),
+        shape="hetero-tp",
+    ),
+    Plant(
+        "hetero-tp-replicated-heads-read-at-the-wrong-offset",
+        f"{NIXL}/tp_mapping.py",
+        "        return local_head - remote_head\n",
+        "        return tp_rank % 2\n",
+        (f"{SHAPE_READ}[hetero-tp-p1d4]",),
+        shape="hetero-tp",
+    ),
+    Plant(
+        "hetero-tp-prefill-frees-after-one-reader",
+        f"{KV}/utils.py",
+        "        return max(1, self.tp_ratio(remote_tp_size))\n",
+        "        return 1\n",
+        (
+            "test_shape_hetero_tp.py::test_the_prefill_frees_a_request_only_when_every_reading_rank_has_read[hetero-tp-p1d2]",
+        ),
+        shape="hetero-tp",
+    ),
+    Plant(
+        "hetero-tp-decode-reads-one-of-two-prefill-ranks",
+        f"{NIXL}/tp_mapping.py",
+        "        attn_ranks = (start + np.sort(unique_idx)).tolist()\n",
+        "        attn_ranks = [start]\n",
+        (
+            f"{SHAPE_READ}[hetero-tp-p2d1]",
+            "test_shape_hetero_tp.py::test_each_decode_rank_reads_its_heads_from_the_prefill_ranks_that_hold_them[hetero-tp-p2d1]",
+        ),
+        shape="hetero-tp",
+    ),
+    Plant(
+        "mla-replicated-latent-read-one-block-on",
+        f"{NIXL}/base_worker.py",
+        "                num_reads, rank_offset = 1, 0\n",
+        "                num_reads, rank_offset = 1, block_strides[i]\n",
+        (f"{SHAPE_READ}[mla]", f"{SHAPE_READ}[mla-p2d1]"),
+        shape="mla",
+    ),
+    Plant(
+        "mla-unread-prefill-ranks-never-told",
+        f"{NIXL}/pull_worker.py",
+        "        if self.use_mla and tp_ratio < 0 and len(read_specs) == 1:\n",
+        "        if self.use_mla and tp_ratio < 0 and len(read_specs) == 0:\n",
+        (
+            "test_shape_mla.py::test_decode_reads_the_replicated_latent_once_and_every_prefill_rank_frees_it_promptly[mla-p2d1]",
+        ),
+        shape="mla",
+    ),
+    Plant(
+        "restarted-prefill-replaced-engine-never-released",
+        f"{NIXL}/base_worker.py",
+        "            replaced = self._remote_agents.keys() - self._engine_by_address.values()\n",
+        "            replaced = set()\n",
+        (
+            "test_shape_restarted.py::test_decode_handshakes_the_new_prefill_before_reading_and_lets_go_of_the_old_one"
+            "[restarted-prefill]",
+        ),
+        shape="restarted-prefill",
+    ),
+    Plant(
+        "restarted-prefill-dead-peer-never-invalidated",
+        f"{NIXL}/base_worker.py",
+        "                if not all(map(self.nixl_wrapper.check_remote_metadata, agents)):\n"
+        "                    self._mark_remote_engine_invalid(engine_id, now)\n",
+        "                if not all(map(self.nixl_wrapper.check_remote_metadata, agents)):\n                    pass\n",
+        (
+            "test_shape_restarted.py::test_a_prefill_restarted_with_its_engine_id_is_never_read_with_the_old_engines"
+            "_addresses[restarted-prefill]",
+        ),
+        shape="restarted-prefill",
+    ),
 )
 
 
@@ -165,18 +254,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("venv", type=Path, help="a cell's venv, e.g. .kvcompat/venvs/<cell>")
     ap.add_argument("--only", action="append", default=[], help="a plant's name (repeatable)")
+    ap.add_argument("--shape", action="append", default=[], help="only the plants of this shape family (repeatable)")
     args = ap.parse_args()
     if not (args.venv / "bin/python").exists():
         print(f"error: {args.venv} is not a cell venv (no bin/python); run the cell first", file=sys.stderr)
         return 2
     repo = Path(__file__).resolve().parents[2]
     missed = 0
-    for plant in PLANTS:
-        if args.only and plant.name not in args.only:
-            continue
-        ok, line = run(args.venv, plant, repo)
-        missed += not ok
-        print(f"{'KILLED ' if ok else 'MISSED '} {plant.name} [{plant.file.rsplit('/', 1)[-1]}]: {line}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="kvcompat-plant-") as tmp:
+        # A hard-linked copy of the venv: a plant replaces a file of the copy (os.replace, never written through
+        # a link), so the cell's own venv, which a matrix run or a mutation session may be using, never changes.
+        venv = Path(tmp) / "venv"
+        subprocess.run(["cp", "-al", str(args.venv.resolve()), str(venv)], check=True)
+        for plant in PLANTS:
+            picked = plant.name in args.only or plant.shape in args.shape
+            if (args.only or args.shape) and not picked:
+                continue
+            ok, line = run(venv, plant, repo)
+            missed += not ok
+            where = f"{plant.shape}, {plant.file.rsplit('/', 1)[-1]}"
+            print(f"{'KILLED ' if ok else 'MISSED '} {plant.name} [{where}]: {line}", flush=True)
     return 1 if missed else 0
 
 
