@@ -65,7 +65,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import types
 from pathlib import Path
 from typing import Any
 
@@ -169,18 +168,16 @@ def configure(vllm_config: Any, shape: Shape, side: str) -> None:
     vllm_config.scheduler_config.max_model_len = MAX_MODEL_LEN
 
 
-class _LayerStandIn(types.SimpleNamespace):
-    """The attributes of an MLAAttention layer; one the release reads and the stand-in lacks is the suite's
-    gap, raised here (in kvcompat's frame: a test error, never taken for the release refusing the model)."""
-
-    def __getattr__(self, name: str) -> Any:
-        raise AttributeError(f"the MLA layer stand-in has no {name!r}: the release's get_kv_cache_spec reads it")
-
-
 def _layer(vllm_config: Any) -> Any:
-    """What the release's MLAAttention reads of itself in ``get_kv_cache_spec``, as its ``__init__`` sets it
-    for this model (``mla_attention.py`` 0.34.0 L480-590)."""
-    return _LayerStandIn(
+    """The release's MLAAttention layer as its ``__init__`` leaves it for this model, for what
+    ``get_kv_cache_spec`` reads of it (``mla_attention.py`` 0.34.0 L480-590): head size ``kv_lora_rank +
+    qk_rope_head_dim``, the cache dtype, no sliding window, no indexer, no top-k buffer, and the attention
+    backend CpuPlatform picks for fp32 MLA, the reference CPU MLA (see the module docstring).  An instance of
+    the release's own class (its methods run as shipped), built without its ``__init__``, which would build the
+    model's weights and kernels."""
+    cls = _mla_layer_class()
+    layer = cls.__new__(cls)
+    attrs = dict(
         head_size=KV_LORA_RANK + QK_ROPE_HEAD_DIM,
         num_kv_heads=1,
         kv_cache_dtype=vllm_config.cache_config.cache_dtype,
@@ -189,17 +186,27 @@ def _layer(vllm_config: Any) -> Any:
         topk_buffer_width=None,
         non_causal_multi_token_decode=False,
         impl=None,
+        attn_backend=importlib.import_module(CPU_MLA[:-3].replace("/", ".")).CPUMLABackend,
     )
+    for name, value in attrs.items():
+        object.__setattr__(layer, name, value)
+    return layer
 
 
 def layer_specs(vllm_config: Any, shape: Shape, block_size: int, tp: int) -> list[dict[str, Any]]:
     """Each rank's ``{layer: MLAAttentionSpec}``, as the release's MLA layer reports it: the whole latent on
-    every rank (replicated), at the block size the platform set."""
+    every rank (replicated), at the block size the platform set.  An attribute the release reads that the
+    layer above lacks is the suite's gap: raised here, in kvcompat's frame (a test error, never taken for the
+    release refusing the model)."""
     from vllm.config import set_current_vllm_config
 
-    report = _mla_layer_class().get_kv_cache_spec
     with set_current_vllm_config(vllm_config):
-        return [{name: report(_layer(vllm_config), vllm_config) for name in LAYER_NAMES} for _ in range(tp)]
+        try:
+            return [
+                {name: _layer(vllm_config).get_kv_cache_spec(vllm_config) for name in LAYER_NAMES} for _ in range(tp)
+            ]
+        except AttributeError as exc:
+            raise RuntimeError(f"the MLA layer built for the spec lacks what the release reads: {exc}") from None
 
 
 def kinds(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
