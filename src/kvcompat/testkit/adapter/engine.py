@@ -36,9 +36,14 @@ def create_connector(vllm_config: Any, role: Any, kv_cache_config: Any) -> Any:
 
 
 def make_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
+    """The scheduler EngineCore builds: the class the scheduler config names (``get_scheduler_cls``,
+    v1/engine/core.py 0.34.0 L181: AsyncScheduler under async scheduling, else Scheduler), where the
+    release has that choice."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
+    get_cls = getattr(vllm_config.scheduler_config, "get_scheduler_cls", None)
+    cls = get_cls() if get_cls is not None else Scheduler
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     kwargs: dict[str, Any] = dict(
         vllm_config=vllm_config,
@@ -46,9 +51,9 @@ def make_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
         structured_output_manager=StructuredOutputManager(vllm_config),
         log_stats=False,
     )
-    if "block_size" in _params(Scheduler):
+    if "block_size" in _params(Scheduler):  # AsyncScheduler(*args, **kwargs) passes them on
         kwargs["block_size"] = vllm_config.cache_config.block_size
-    return Scheduler(**kwargs)
+    return cls(**kwargs)
 
 
 _HASH_INITIALISED: dict[int, Any] = {}
