@@ -21,6 +21,7 @@ connectors exists at all is decided by explicit probes of the installed distribu
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -310,7 +311,13 @@ class Engine:
         aggregated as the executor does; the ModelRunnerOutput the scheduler gets."""
         forward = va.Forward(self.scheduler, so, self.kv_cache_config, self.kinds)
         kv_outs = [r.execute(so, lambda rank: va.forward_layers(rank, forward.write_kv)) for r in self.ranks]
-        make_output = self.runner_output or va.make_model_runner_output
+        # a prefill chunk that does not finish its prompt samples nothing (the runner discards its token)
+        unsampled = {
+            r
+            for r in so.num_scheduled_tokens
+            if (q := self.scheduler.requests.get(r)) is not None and q.num_computed_tokens < q.num_tokens
+        }
+        make_output = self.runner_output or functools.partial(va.make_model_runner_output, unsampled=unsampled)
         runner_outs = [make_output(so, kvo) for kvo in kv_outs]
         return runner_outs[0] if self.aggregator is None else self.aggregator.aggregate(runner_outs, 0)
 

@@ -38,21 +38,28 @@ def _deploy(make_pd, shape):
 
 def _snapshot(engine) -> dict[tuple[int, str], object]:
     """A copy of every rank's KV caches, to tell afterwards which blocks were written."""
-    return {(r.rank, name): cache.clone() for r in engine.ranks for name, cache in r.kv_caches.items()}
+    return {(r.rank, name): _clone(cache) for r in engine.ranks for name, cache in r.kv_caches.items()}
 
 
-def _written_outside(engine, before: dict, allowed: set[tuple[int, int]]) -> list[str]:
-    """Blocks of ``engine`` that changed since ``before`` although no request held them: (group, block id)
-    pairs in ``allowed`` may change, any other block of any layer on any rank may not."""
-    group_of = {name: g for g, grp in enumerate(engine.kv_cache_config.kv_cache_groups) for name in grp.layer_names}
+def _clone(cache):
+    """A layer's cache copied: one tensor, or a Mamba layer's states (a list of tensors, before 0.33)."""
+    return [c.clone() for c in cache] if isinstance(cache, (list, tuple)) else cache.clone()
+
+
+def _written_outside(engine, before: dict, allowed: set[int]) -> list[str]:
+    """Blocks of ``engine`` that changed since ``before`` although no request held them: block ids in ``allowed``
+    (held in any KV-cache group: the groups share one block pool, and the release's planner lays a hybrid
+    model's groups over the same bytes) may change, any other block of any layer on any rank may not.  Each
+    layer's block is read as its kind holds it (an attention block, a Mamba state)."""
+    groups = engine.kv_cache_config.kv_cache_groups
+    group_of = {name: g for g, grp in enumerate(groups) for name in grp.layer_names}
     changed = []
     for (rank, name), old in before.items():
         cache = engine.ranks[rank].kv_caches[name]
-        g = group_of[name]
-        bs = engine.kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size
         kind = engine.kinds.get(name, va.ATTENTION)
+        bs = groups[group_of[name]].kv_cache_spec.block_size
         for block_id in range(1, engine.kv_cache_config.num_blocks):
-            if (g, block_id) in allowed:
+            if block_id in allowed:
                 continue
             if not va.same_bytes(kind.block(cache, block_id, bs), kind.block(old, block_id, bs)):
                 changed.append(f"rank {rank} {name} block {block_id}")
@@ -97,7 +104,7 @@ def test_pd_read_fills_each_rank_with_its_heads_and_nothing_else(make_pd, shape)
     assert failure is None, f"D's read of P's blocks failed ({shape.id}): {failure}"
     full = len(prompt) // BLOCK
     assert_blocks_hold_the_prompt(d, d_blocks, prompt, full)
-    held = {(g, b) for g in range(len(d.kv_cache_config.kv_cache_groups)) for b in va.group_block_ids(d_blocks, g)}
+    held = {b for g in range(len(d.kv_cache_config.kv_cache_groups)) for b in va.group_block_ids(d_blocks, g)}
     stray = _written_outside(d, before, held)
     assert not stray, f"the read wrote outside the request's blocks: {stray[:6]}"
     d.run(["shape-pd"])

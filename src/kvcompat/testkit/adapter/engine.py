@@ -130,9 +130,14 @@ def make_kv_connector_output(
 
 
 def make_model_runner_output(
-    scheduler_output: Any, kv_connector_output: Any = None, token_id: int = SAMPLED_TOKEN_ID
+    scheduler_output: Any,
+    kv_connector_output: Any = None,
+    token_id: int = SAMPLED_TOKEN_ID,
+    unsampled: frozenset[str] | set[str] = frozenset(),
 ) -> Any:
-    """One sampled token for every request scheduled in ``scheduler_output``."""
+    """One sampled token for every request scheduled in ``scheduler_output``, none for those in ``unsampled``:
+    a request whose prompt this step does not finish (a chunk of a prefill), whose sampled token the model
+    runner discards (``discard_request_mask``, v1/worker/gpu_model_runner.py)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     req_ids = list(scheduler_output.num_scheduled_tokens.keys())
@@ -140,9 +145,9 @@ def make_model_runner_output(
     if "ndarray" in ann:
         import numpy as np
 
-        sampled = [np.array([token_id]) for _ in req_ids]
+        sampled = [np.array([] if r in unsampled else [token_id], dtype=np.int64) for r in req_ids]
     else:
-        sampled = [[token_id] for _ in req_ids]
+        sampled = [[] if r in unsampled else [token_id] for r in req_ids]
     kwargs: dict[str, Any] = dict(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},

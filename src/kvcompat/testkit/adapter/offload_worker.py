@@ -41,7 +41,8 @@ def prepare_offload_worker(rank: Any, transport: Any) -> None:
     or script OffloadingConnector's transfers where that is the child."""
     if has_simple_cpu_offload():
         for cache in rank.kv_caches.values():
-            transport.add_gpu_region(cache)
+            for tensor in cache if isinstance(cache, (list, tuple)) else [cache]:  # a Mamba layer's states
+                transport.add_gpu_region(tensor)
     else:
         from kvcompat.testkit.adapter import offload_script
 

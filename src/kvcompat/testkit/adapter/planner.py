@@ -62,7 +62,27 @@ def plan(vllm_config: Any, worker_specs: list[dict[str, Any]], num_blocks: int) 
         configs = fn(vllm_config, worker_specs, memory)
     scheduler = utils.generate_scheduler_kv_cache_config(configs)
     vllm_config.cache_config.num_gpu_blocks = scheduler.num_blocks
+    _resolve_block_sizes(vllm_config, [*configs, scheduler])
     return Plan(list(configs), scheduler)
+
+
+def _resolve_block_sizes(vllm_config: Any, kv_cache_configs: list[Any]) -> None:
+    """What EngineCore does next, where the release does it (``v1/engine/core.py`` 0.34.0 L388-402): resolve the
+    hash block size and the cache-hit alignment from the scheduler's config and set them on every config, the
+    workers' and the scheduler's (the connectors' scheduler sides read them, e.g. Nixl truncating a hybrid
+    prefill, ``nixl/base_scheduler.py`` 0.34.0 L441-442)."""
+    utils = importlib.import_module(UTILS)
+    scheduler = kv_cache_configs[-1]
+    if not hasattr(utils, "resolve_kv_cache_block_sizes") or not hasattr(scheduler, "hash_block_size"):
+        return
+    block, hash_block = utils.resolve_kv_cache_block_sizes(scheduler, vllm_config)
+    alignment = None
+    if hasattr(utils, "resolve_cache_hit_alignment_tokens") and hasattr(scheduler, "cache_hit_alignment_tokens"):
+        alignment = utils.resolve_cache_hit_alignment_tokens(scheduler, vllm_config, block, hash_block)
+    for config in kv_cache_configs:
+        config.hash_block_size = hash_block
+        if alignment is not None:
+            config.cache_hit_alignment_tokens = alignment
 
 
 def _has_spec_registry() -> bool:

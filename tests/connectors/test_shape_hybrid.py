@@ -1,0 +1,312 @@
+"""The hybrid shape's own contracts: a Mamba2 hybrid model with full attention and a sliding-window group, HMA on.
+
+The model and its KV-cache groups are built the release's way (kvcompat.testkit.deploy.hybrid): a Mamba
+state group per Mamba2 layer (``mamba_cache_mode="align"``), a full-attention group and a sliding-window group
+whose window (80 tokens) the prompts here exceed, none of them block-aligned.  A Mamba layer's blocks hold
+recurrent states (kvcompat.testkit.deploy.hybrid_kinds): a step that continues a state derives it from the
+state it starts from, so a decode that continues from a state a connector did not move, or moved wrong, ends
+with a state no single engine would hold.  Each contract compares what an engine holds with what one engine
+that computed the same tokens itself holds, group by group, byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+
+from kvcompat.testkit import adapter as va
+from kvcompat.testkit import setup_owned_by, user_configuration
+from kvcompat.testkit.adapter.forward import NULL_BLOCK
+
+from conftest import (
+    BLOCK,
+    PREFILLED,
+    STORED,
+    assert_no_leak,
+    cpu_tier_hit,
+    patient_steps,
+    read_received,
+    step_until,
+    stored_prefix,
+    token_ids,
+    wait_until,
+)
+
+PROMPT = 5 * BLOCK + 7  # longer than the 80-token window, not block-aligned
+
+
+def _engine(make_engine, shape, **kwargs) -> Any:
+    """An engine of ``shape``; a release that refuses to build a shape other than the suite's own is
+    ``unsupported`` (the dense engine's construction is the worker contract's, as everywhere)."""
+    if shape.id == "dense":
+        return make_engine(shape=shape, **kwargs)
+    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
+        return make_engine(shape=shape, **kwargs)
+
+
+def _pair(make_pd, shape) -> tuple[Any, Any]:
+    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
+        return make_pd(shape=shape)
+
+
+def _groups_held(engine, block_ids, tokens: list[int]) -> list[tuple[str, int, int, list[int], int]]:
+    """What every layer of ``engine`` must hold once it has computed ``tokens`` (its kinds say which blocks):
+    (layer, group, block id, the prefix the block depends on, block size)."""
+    out = []
+    for g, group in enumerate(engine.kv_cache_config.kv_cache_groups):
+        bs = group.kv_cache_spec.block_size
+        for layer in group.layer_names:
+            kind = engine.kinds.get(layer, va.ATTENTION)
+            for _, block_id, prefix in kind.held(va.group_block_ids(block_ids, g), tokens, bs, len(tokens) // bs):
+                out.append((layer, g, block_id, prefix, bs))
+    return out
+
+
+def _not_holding(engine, block_ids, tokens: list[int]) -> list[str]:
+    """The blocks of ``engine`` (a request's ``block_ids``) that do not hold what computing ``tokens`` leaves
+    there, as its layers' kinds say (one line each, empty when every group holds it)."""
+    wrong = []
+    for layer, g, block_id, prefix, bs in _groups_held(engine, block_ids, tokens):
+        kind = engine.kinds.get(layer, va.ATTENTION)
+        cache = engine.ranks[0].kv_caches[layer]
+        if not va.same_bytes(kind.block(cache, block_id, bs), kind.expected(cache, layer, prefix, 0, bs)):
+            wrong.append(f"block {block_id} of {layer} (KV-cache group {g}, the content of {len(prefix)} tokens)")
+    return wrong
+
+
+def _block(engine, layer: str, block_id: int, bs: int) -> Any:
+    return engine.kinds.get(layer, va.ATTENTION).block(engine.ranks[0].kv_caches[layer], block_id, bs)
+
+
+def _scrub(engine) -> None:
+    """Every device block zeroed, as a device whose freed blocks were reused holds nothing of them."""
+    for rank in engine.ranks:
+        for cache in rank.kv_caches.values():
+            for t in cache if isinstance(cache, (list, tuple)) else [cache]:
+                t.zero_()
+
+
+def _step_to(engine, req, n: int, max_steps: int = 60) -> None:
+    """Step ``engine`` until ``req`` has computed ``n`` tokens."""
+    for _ in patient_steps(max_steps):
+        if req.num_computed_tokens >= n or req.is_finished():
+            break
+        engine.step()
+    assert req.num_computed_tokens == n, f"{req.request_id} computed {req.num_computed_tokens} tokens, not {n}"
+
+
+# ---------------------------------------------------------------------------
+# 1. P/D: the read, then the decode, as one engine would
+# ---------------------------------------------------------------------------
+@pytest.mark.shapes("hybrid")
+def test_hybrid_pd_decode_continues_exactly_as_one_engine(make_pd, make_engine, shape):
+    """A hybrid model served P/D: P prefills the prompt but its last token (NixlConnector's prefill back-off:
+    the decoder derives the last state itself), D reads every group's blocks (the Mamba states, the full
+    attention blocks, the sliding window's blocks) over NIXL and computes the last prompt token; D then holds,
+    in every group, exactly what a single engine that computed the whole prompt holds (the state after the
+    prompt, every full-attention block, every block of the window), and after a decode step still exactly what
+    that engine holds after the same step; P frees its blocks once D has read them; nothing leaks."""
+    from vllm.v1.request import RequestStatus
+
+    p, d = _pair(make_pd, shape)
+    one = _engine(make_engine, shape, engine_id="kvcompat-single-engine")
+    prompt = token_ids(PROMPT, start=1500)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("hybrid-pd", prompt)
+    req = va.make_request("hybrid-pd", prompt, max_tokens=3, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    d.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"D did not wait for P's KV: {req.status}"
+    assert step_until([d, p], lambda: read_received(d, "hybrid-pd")), "D's read of P's blocks never finished"
+    _step_to(d, req, len(prompt))
+    alone = va.make_request("hybrid-one", prompt, max_tokens=3)
+    one.scheduler.add_request(alone)
+    _step_to(one, alone, len(prompt))
+    for n in (len(prompt), len(prompt) + 1):
+        if n > len(prompt):
+            _step_to(d, req, n)
+            _step_to(one, alone, n)
+        tokens = list(req.all_token_ids)[:n]
+        assert tokens == list(alone.all_token_ids)[:n], "D and the single engine computed different tokens"
+        mine = _groups_held(d, d.scheduler.kv_cache_manager.get_block_ids("hybrid-pd"), tokens)
+        theirs = _groups_held(one, one.scheduler.kv_cache_manager.get_block_ids("hybrid-one"), tokens)
+        assert [m[:2] for m in mine] == [t[:2] for t in theirs], "D and the single engine hold different groups"
+        for (layer, g, block_id, prefix, bs), (_, _, single_id, _, _) in zip(mine, theirs, strict=True):
+            held = _block(d, layer, block_id, bs)
+            want = _block(one, layer, single_id, bs)
+            assert va.same_bytes(held, want), (
+                f"after {n} tokens D's block {block_id} ({layer}, KV-cache group {g}, content of {len(prefix)} "
+                f"tokens) differs from what a single engine holds there (its block {single_id})"
+            )
+    d.run(["hybrid-pd"])
+    one.run(["hybrid-one"])
+    assert step_until([p], lambda: "hybrid-pd" not in p.scheduler.requests, 100), "P kept the blocks after D read"
+    assert_no_leak(p, d, one)
+
+
+# ---------------------------------------------------------------------------
+# 2. CPU tier: a hit restores every group
+# ---------------------------------------------------------------------------
+def _hit_restores(engine, transport, prompt: list[int], rid: str, shape, *, served: bool = True) -> None:
+    """``prompt`` stored in the CPU tier, the device's blocks gone; a request for it loads from the tier (when
+    ``served``: else the tier may serve nothing), and once it has computed the prompt every group holds what
+    computing the prompt leaves.  (That the tier serves a stored prompt at all is the store contract's for the
+    dense model, this contract's for the others.)"""
+    from vllm.v1.request import RequestStatus
+
+    stored_prefix(engine, prompt, f"{rid}-src")
+    _scrub(engine)
+    launched = transport.launched()
+    req = va.make_request(rid, prompt, max_tokens=2)
+    engine.scheduler.add_request(req)
+    engine.step()
+    loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    with setup_owned_by(STORED) if shape.id == "dense" else contextlib.nullcontext():
+        assert loading or not served, (
+            f"the CPU tier did not serve the stored prompt ({shape.id}): the request is {req.status}"
+        )
+        if loading:
+            assert wait_until(lambda: transport.launched() > launched), "the CPU-offload child never started the load"
+    _step_to(engine, req, len(prompt))
+    wrong = _not_holding(engine, engine.scheduler.kv_cache_manager.get_block_ids(rid), prompt)
+    assert not wrong, f"after a CPU-tier hit ({shape.id}) the request does not hold what its prompt leaves: {wrong}"
+    engine.run([rid])
+    assert_no_leak(engine)
+
+
+@pytest.mark.shapes("dense", "hybrid")
+def test_a_cpu_tier_hit_restores_every_kv_cache_group(make_engine, transport, shape):
+    """A prompt served from the CPU tier after the device lost it comes back in every KV-cache group of the
+    model, byte for byte: full attention's blocks, the sliding window's in-window blocks and the Mamba state
+    the request continues from (a state restored wrong, or not at all, leaves a state after the prompt that no
+    engine computing the prompt holds).  The engine then finishes the request and nothing leaks."""
+    engine = _engine(make_engine, shape)
+    _hit_restores(engine, transport, token_ids(PROMPT, start=2100), "tier-hit", shape)
+
+
+@pytest.mark.shapes("hybrid")
+def test_a_cpu_tier_hit_on_a_block_aligned_prompt_restores_a_state_that_consumed_exactly_its_tokens(
+    make_engine, transport, shape
+):
+    """A prompt of whole blocks (an exact chunk boundary, vllm#51094's case): the CPU tier never serves a state
+    that already consumed the prompt's last token; what it serves is a state that consumed exactly the tokens
+    it is counted for, and the request recomputes from it to the same state as an engine computing the prompt.
+    Where the release's Mamba layers export a checkpoint inside a prefill (``num_prefill_checkpoint_blocks``,
+    0.33+), the stored prompt has a state one block short of its end, and the tier must serve it; before,
+    align mode keeps no such state and serving nothing is the right answer."""
+    engine = _engine(make_engine, shape)
+    specs = [g.kv_cache_spec for g in engine.kv_cache_config.kv_cache_groups]
+    checkpoints = any(getattr(s, "num_prefill_checkpoint_blocks", 0) for s in specs)
+    _hit_restores(engine, transport, token_ids(5 * BLOCK, start=2700), "tier-boundary", shape, served=checkpoints)
+
+
+# ---------------------------------------------------------------------------
+# 3. a state block being stored stays pinned
+# ---------------------------------------------------------------------------
+@pytest.mark.shapes("hybrid")
+def test_a_state_block_being_stored_stays_pinned_until_its_store_completes(make_engine, transport, shape):
+    """A finished request's Mamba state blocks that the CPU tier is copying (the store held in flight) stay
+    pinned: while the copy is in flight no other request is given them and nothing overwrites them, however
+    many blocks later requests need; once the copy completes the tier serves the prompt and the blocks are
+    released (no leak)."""
+    engine = _engine(make_engine, shape)
+    mamba = [g for g, grp in enumerate(engine.kv_cache_config.kv_cache_groups) if _is_state(engine, grp)]
+    assert mamba, "the hybrid engine has no Mamba state group"
+    prompt = token_ids(PROMPT, start=3300)
+    transport.hold()
+    req = va.make_request("stored-state", prompt, max_tokens=2)
+    engine.scheduler.add_request(req)
+    _step_to(engine, req, len(prompt))
+    ids = engine.scheduler.kv_cache_manager.get_block_ids("stored-state")
+    states = {
+        (engine.kv_cache_config.kv_cache_groups[g].layer_names[0], b)
+        for g in mamba
+        for b in va.group_block_ids(ids, g)
+        if b != NULL_BLOCK
+    }
+    engine.run(["stored-state"])
+    with setup_owned_by(STORED):
+        assert wait_until(lambda: transport.in_flight_count > 0), "the CPU-offload child started no store"
+    stored = {(layer, b) for layer, b in states if _being_copied(engine, transport, layer, b)}
+    assert stored, "no Mamba state block of the finished request is among the copies in flight"
+    before = {(layer, b): _block(engine, layer, b, BLOCK) for layer, b in stored}
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    for layer, b in stored:
+        assert pool.blocks[b].ref_cnt > 0, f"state block {b} ({layer}) is free while the CPU tier copies it"
+    others = [f"pressure-{i}" for i in range(3)]
+    for i, rid in enumerate(others):
+        engine.scheduler.add_request(va.make_request(rid, token_ids(11 * BLOCK + 3, start=3700 + 97 * i), max_tokens=2))
+    given: set[int] = set()
+    for _ in range(40):
+        engine.step()
+        for rid in (r for r in others if r in engine.scheduler.requests):
+            ids = engine.scheduler.kv_cache_manager.get_block_ids(rid)
+            given |= {b for g in range(len(engine.kv_cache_config.kv_cache_groups)) for b in va.group_block_ids(ids, g)}
+        if all(engine.finished_output(r) is not None for r in others):
+            break
+    reused = sorted(b for _, b in stored if b in given)
+    assert not reused, f"state blocks {reused} were given to other requests while the CPU tier copied them"
+    changed = [
+        f"{layer} block {b}"
+        for (layer, b), old in before.items()
+        if not va.same_bytes(_block(engine, layer, b, BLOCK), old)
+    ]
+    assert not changed, f"state blocks overwritten while the CPU tier copied them: {changed}"
+    transport.release()
+    engine.run(others, max_steps=120)
+    engine.settle()
+    assert cpu_tier_hit(engine, prompt, "stored-state-again") > 0, "the CPU tier does not serve the stored prompt"
+    assert_no_leak(engine)
+
+
+def _is_state(engine, group) -> bool:
+    from kvcompat.testkit.deploy.hybrid_kinds import MambaStateKind
+
+    return isinstance(engine.kinds.get(group.layer_names[0]), MambaStateKind)
+
+
+def _being_copied(engine, transport, layer: str, block_id: int) -> bool:
+    """Whether a copy in flight reads from block ``block_id`` of ``layer``'s cache."""
+    cache = engine.ranks[0].kv_caches[layer]
+    states = cache if isinstance(cache, (list, tuple)) else [cache]
+    spans = [(s[block_id].data_ptr(), s[block_id].data_ptr() + s[block_id].numel() * s.element_size()) for s in states]
+    return any(lo <= c.src < hi for c in list(transport._queued) for lo, hi in spans)
+
+
+# ---------------------------------------------------------------------------
+# 4. a failed NIXL read of a hybrid request
+# ---------------------------------------------------------------------------
+@pytest.mark.shapes("hybrid")
+def test_a_failed_hybrid_read_fails_the_request_or_recomputes_it_never_decodes_unwritten_blocks(
+    make_pd, nixl_agent, shape
+):
+    """D's NIXL read of a hybrid request fails (vllm#52234: a failed HMA read answered with corrupted tokens):
+    the request ends as an error, or D recomputes it; D never samples a token from blocks the read did not
+    write: when D produces its first token, every group holds exactly what computing the prompt leaves (the
+    Mamba state included).  The request ends and D holds nothing of it (P's lease on its blocks is the Nixl
+    child's contract)."""
+    from vllm.v1.request import RequestStatus
+
+    p, d = _pair(make_pd, shape)
+    prompt = token_ids(PROMPT, start=4100)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("hybrid-failed", prompt)
+    nixl_agent.failing_transfers = 1
+    req = va.make_request("hybrid-failed", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    assert step_until([d, p], lambda: nixl_agent.failed == 1 or req.is_finished()), "the fake NIXL failed no read"
+    assert nixl_agent.failed == 1, "the fake NIXL failed no read: no scenario"
+    for _ in patient_steps(60):
+        if req.is_finished() or req.num_output_tokens:
+            break
+        d.step()
+        p.step()
+    if req.num_output_tokens:  # D sampled: from what it holds after the prompt
+        assert not req.is_finished(), "D sampled both tokens of the request whose read failed in one step"
+        wrong = _not_holding(d, d.scheduler.kv_cache_manager.get_block_ids("hybrid-failed"), prompt)
+        assert not wrong, f"D sampled a token from blocks its failed read never wrote: {wrong}"
+    assert step_until([d, p], lambda: req.is_finished()), f"D's request whose read failed never finished ({req.status})"
+    assert req.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ERROR), req.status
+    assert_no_leak(d)
