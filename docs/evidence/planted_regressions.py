@@ -209,6 +209,101 @@ PLANTS = (
         ),
         shape="restarted-prefill",
     ),
+    Plant(
+        "hybrid-ssm-state-read-four-bytes-on",
+        f"{NIXL}/base_worker.py",
+        "(base_addr + conv_size, ssm_size, device_id, block_stride, num_blocks)",
+        "(base_addr + conv_size + 4, ssm_size, device_id, block_stride, num_blocks)",
+        (
+            f"{SHAPE_READ}[hybrid]",
+            "test_shape_hybrid.py::test_hybrid_pd_decode_continues_exactly_as_one_engine[hybrid]",
+        ),
+        shape="hybrid",
+    ),
+    Plant(
+        "hybrid-one-sliding-window-block-too-few",
+        f"{NIXL}/base_scheduler.py",
+        "blocks = blocks[-n_sw:]",
+        "blocks = blocks[-n_sw + 1 :]",
+        (f"{SHAPE_READ}[hybrid]",),
+        shape="hybrid",
+    ),
+    Plant(
+        "hybrid-failed-hma-read-reported-received",
+        f"{NIXL}/base_worker.py",
+        "            failed_recving=failed_recv_reqs,\n",
+        "            failed_recving=set() if self._is_hma_required else failed_recv_reqs,\n",
+        (
+            "test_shape_hybrid.py::test_a_failed_hybrid_read_fails_the_request_or_recomputes_it_never_decodes"
+            "_unwritten_blocks[hybrid]",
+        ),
+        shape="hybrid",
+    ),
+    Plant(
+        "hybrid-cpu-tier-restores-only-full-attention",
+        "vllm/v1/simple_kv_offload/manager.py",
+        "            g_block_size = self.group_block_sizes[g]\n            gpu_ext_start = num_computed_tokens // g_block_size\n",
+        "            if g != self.fa_gidx:\n                continue\n"
+        "            g_block_size = self.group_block_sizes[g]\n            gpu_ext_start = num_computed_tokens // g_block_size\n",
+        ("test_shape_hybrid.py::test_a_cpu_tier_hit_restores_every_kv_cache_group[hybrid]",),
+        shape="hybrid",
+    ),
+    Plant(
+        "hybrid-state-block-unpinned-while-stored",
+        "vllm/v1/simple_kv_offload/manager.py",
+        "                in_flight.add(gpu_block_id)\n                gpu_block_pool.touch([gpu_block])\n",
+        "                in_flight.add(gpu_block_id)\n",
+        ("test_shape_hybrid.py::test_a_state_block_being_stored_stays_pinned_until_its_store_completes[hybrid]",),
+        shape="hybrid",
+    ),
+    Plant(
+        "drafts-no-room-for-the-first-speculative-step",
+        "vllm/v1/core/sched/scheduler.py",
+        "                        + self._spec_decode_step_blocks\n",
+        "                        + 0  # PLANTED: no room kept for the speculative step after the load\n",
+        (
+            "test_shape_drafts.py::test_an_async_load_is_admitted_only_when_its_first_speculative_step_fits[drafts-ngram]",
+        ),
+        shape="drafts",
+    ),
+    Plant(
+        "drafts-padded-step-allocates-one-token",
+        "vllm/v1/core/sched/scheduler.py",
+        "                num_tokens_past_hit = max(num_new_tokens - num_replay_tokens, 0)\n",
+        "                num_tokens_past_hit = max((1 if pad_spec_decode else num_new_tokens) - num_replay_tokens, 0)  # PLANTED\n",
+        (
+            "test_shape_drafts.py::test_a_request_resumed_after_an_async_load_gets_the_slots_of_its_first_speculative_step[drafts-ngram-nixl]",
+        ),
+        shape="drafts",
+    ),
+    Plant(
+        "drafts-rejected-tokens-stay-computed",
+        "vllm/v1/core/sched/scheduler.py",
+        "                        request.num_computed_tokens -= num_rejected\n",
+        "                        pass  # PLANTED: rejected drafts stay counted as computed\n",
+        (f"{SHAPE_READ}[drafts-ngram]",),
+        shape="drafts",
+    ),
+    Plant(
+        "async-placeholders-never-resolved",
+        "vllm/v1/core/sched/scheduler.py",
+        "            request.num_output_placeholders -= num_new_tokens\n",
+        "            request.num_output_placeholders -= 0  # PLANTED: async placeholders never resolved\n",
+        (
+            "test_shape_async.py::test_pd_and_cpu_tier_hits_give_the_same_kv_and_tokens_as_with_async_scheduling_off[async-sched-dense]",
+        ),
+        shape="async-sched",
+    ),
+    Plant(
+        "async-blocks-freed-under-a-step-in-flight",
+        "vllm/v1/core/sched/scheduler.py",
+        "        return not self.defer_block_free or (\n            request.last_sched_seq <= self.processed_step_seq\n        )\n",
+        "        return True  # PLANTED: free a finished request's blocks while a step in flight still writes them\n",
+        (
+            "test_shape_async.py::test_a_kv_load_never_lands_in_a_block_a_step_in_flight_still_writes[async-sched-dense]",
+        ),
+        shape="async-sched",
+    ),
 )
 
 

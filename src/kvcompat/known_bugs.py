@@ -8,7 +8,7 @@ like a new regression; a red test that no entry explains is new.  An entry::
     [[bug]]
     id = "vllm-45330"                      # a short name, unique
     title = "..."                          # one line, as a user would describe the symptom
-    contracts = ["test_..."]               # the contracts (test function names) it turns red
+    contracts = ["test_..."]               # the contracts (test function names) it turns red; "*": every one
     shapes = ["hetero-tp-p1d4"]            # the deployment shapes it shows in (omitted: any, or unshaped tests)
     releases = ">=0.20.2,<0.24.0"          # the affected releases (a PEP 440 specifier; open-ended while unfixed)
     impact = "hang"                        # wrong-output | hang | leak | crash | fails-requests | refused | efficiency
@@ -47,7 +47,7 @@ class KnownBug:
 
     def explains(self, contract: str, shape: str | None, release: str) -> bool:
         """Whether this bug explains ``contract`` red in ``shape`` on ``release``."""
-        if contract not in self.contracts or (self.shapes and shape not in self.shapes):
+        if ("*" not in self.contracts and contract not in self.contracts) or (self.shapes and shape not in self.shapes):
             return False
         try:
             return Version(release) in self.releases

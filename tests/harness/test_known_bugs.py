@@ -29,6 +29,8 @@ def test_the_shipped_known_bugs_parse_and_name_real_contracts():
     suite = "".join(p.read_text() for p in Path(__file__).parents[1].joinpath("connectors").glob("test_*.py"))
     for bug in bugs:
         for contract in bug.contracts:
+            if contract == "*":
+                continue
             assert f"def {contract}(" in suite, f"known bug {bug.id} names {contract}, which tests/connectors lacks"
 
 

@@ -1,0 +1,105 @@
+"""The mutants a deployment shape's contracts are for: those whose [[explained]] reason names the shape.
+
+    python3 docs/evidence/shape_mutants.py .kvcompat/venvs/<cell> --target nixl [--shape hybrid] [--ids]
+    python3 docs/evidence/shape_mutants.py .kvcompat/venvs/<cell> --target nixl --score results/mutants-<cell>--nixl.json
+
+Generates the group's catalogue from the cell's own files (kvcompat.mutation.operators, as `nox -s mutants` does)
+and reads tests/mutants/equivalent-<group>.toml: a mutant belongs to a shape when the reason that explained it as a
+survivor ("a configuration the suite never sets up") names the shape's configuration (hybrid/HMA/Mamba/sliding
+window, heterogeneous TP, MLA, drafts, a replaced prefill).  ``--ids`` prints them space-separated, for
+``nox -s mutants -- --mutant "..."``; ``--score`` reads a mutation run's results and prints, per shape, how many of
+those mutants it killed, how many survive and are still explained, and which survive unexplained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "src"))
+from kvcompat.mutation import generate as gen  # noqa: E402
+from kvcompat.mutation import operators  # noqa: E402
+from kvcompat.mutation import targets as tg  # noqa: E402
+
+# What an explanation says when the configuration it needs is one of the shapes (kvcompat.shapes families).
+SHAPE_WORDS = {
+    "hybrid": r"mamba|\bssm\b|hybrid|\bHMA\b|sliding[- ]window|several KV-cache groups|multi-group|\bGDN\b",
+    "hetero-tp": r"heterogeneous TP|hetero(geneous)?[- ]tp|tp_ratio|\bP TP\b|\bD TP\b|different TP|TP sizes",
+    "mla": r"\bMLA\b",
+    "drafts": r"draft|speculative|spec[- ]decod|\bEAGLE\b|\bMTP\b|lookahead",
+    "restarted-prefill": r"replac(ed|ement)|restart|new engine|_cleanup_remote_engine|engine_ttl|re-handshake",
+}
+
+
+def shapes_of(reason: str) -> list[str]:
+    return [s for s, words in SHAPE_WORDS.items() if re.search(words, reason, re.I)]
+
+
+def catalogue(venv: Path, group: str, reasons: gen.Reasons, release: str) -> dict[str, list[str]]:
+    """Mutant id -> the shapes its explanation names, for the explained mutants of ``group`` in this release."""
+    site = next(venv.glob("lib/python3*/site-packages"))
+    out: dict[str, list[str]] = {}
+    for f in tg.resolve(site, group).files:
+        for m in operators.generate((site / f.path).read_text(), f):
+            why = reasons.explanation_for(m.id, release)
+            if why and (named := shapes_of(why)):
+                out[m.id] = named
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("venv", type=Path)
+    ap.add_argument("--target", required=True, help="a mutation group: nixl, offload or scheduler")
+    ap.add_argument("--shape", action="append", default=[], help="only this shape (repeatable)")
+    ap.add_argument("--ids", action="store_true", help="print the ids, space-separated")
+    ap.add_argument("--score", type=Path, help="a mutation run's results (results/mutants-<cell>--<group>.json)")
+    args = ap.parse_args()
+    meta = next(args.venv.glob("lib/python3*/site-packages/vllm-*.dist-info/METADATA"), None)
+    if meta is None:
+        print(f"error: {args.venv} has no vllm installed; give a cell's venv", file=sys.stderr)
+        return 2
+    release = next(ln.split(":", 1)[1].strip() for ln in meta.read_text().splitlines() if ln.startswith("Version:"))
+    reasons = gen.load_reasons(REPO / "tests" / "mutants" / f"equivalent-{args.target}.toml")
+    named = {i: s for i, s in catalogue(args.venv, args.target, reasons, release).items()}
+    if args.shape:
+        named = {i: s for i, s in named.items() if set(s) & set(args.shape)}
+    if args.ids:
+        print(" ".join(sorted(named)))
+        return 0
+    if args.score is None:
+        counts = collections.Counter(s for ss in named.values() for s in ss)
+        print(f"{release} {args.target}: {len(named)} explained mutants name a shape: {dict(counts)}")
+        return 0
+    run = json.loads(args.score.read_text())
+    status = {m["id"]: m["status"] for m in run["mutants"]}
+    rows = collections.defaultdict(collections.Counter)
+    left = collections.defaultdict(list)
+    for i, shapes in named.items():
+        verdict = status.get(i, "not scored")
+        still = reasons.explanation_for(i, release)
+        for s in shapes:
+            rows[s][verdict] += 1
+            if verdict != "killed" and not still:
+                left[s].append(i)
+    for s in SHAPE_WORDS:
+        if s not in rows:
+            continue
+        c = rows[s]
+        total = sum(c.values())
+        print(
+            f"{release} {args.target} {s}: {total} mutants, {c['killed']} killed ({100 * c['killed'] / total:.0f} %), "
+            + ", ".join(f"{n} {k}" for k, n in c.items() if k != "killed")
+        )
+        for i in left[s]:
+            print(f"    unexplained survivor: {i}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
