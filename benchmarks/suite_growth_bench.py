@@ -8,7 +8,7 @@ Needs the cell's venv built (run `nox -s matrix -k CELL` once).  Per round, alte
   now   : the same suite from the working tree
   cell  : `nox -s matrix -k CELL -- --force` (resolve, install, ABI, both suites, result), wall time
 Prints each time, the suite's ratio now / base, and the warm cell's ratio: its wall time now against
-the same wall time with the base suite's run in place of today's (goal: at most 1.2).
+the same wall time with the base suite's run in place of today's (the cap is the growing issue's: 1.2, 1.5).
 """
 
 from __future__ import annotations
