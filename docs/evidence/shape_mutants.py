@@ -1,7 +1,11 @@
 """The mutants a deployment shape's contracts are for: those whose [[explained]] reason names the shape.
 
     python3 docs/evidence/shape_mutants.py .kvcompat/venvs/<cell> --target nixl [--shape hybrid] [--ids]
-    python3 docs/evidence/shape_mutants.py .kvcompat/venvs/<cell> --target nixl --score results/mutants-<cell>--nixl.json
+    python3 docs/evidence/shape_mutants.py .kvcompat/venvs/<cell> --target nixl --score results/mutants-<cell>--nixl.json \
+        --at 1efdd45
+
+``--at REV`` reads the explanations as they stood at a git revision (the catalogue before the shapes' rerun removed
+the entries of the mutants it killed), so the same mutants are scored after the catalogue has moved on.
 
 Generates the group's catalogue from the cell's own files (kvcompat.mutation.operators, as `nox -s mutants` does)
 and reads tests/mutants/equivalent-<group>.toml: a mutant belongs to a shape when the reason that explained it as a
@@ -17,7 +21,9 @@ import argparse
 import collections
 import json
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,14 +65,27 @@ def main() -> int:
     ap.add_argument("--shape", action="append", default=[], help="only this shape (repeatable)")
     ap.add_argument("--ids", action="store_true", help="print the ids, space-separated")
     ap.add_argument("--score", type=Path, help="a mutation run's results (results/mutants-<cell>--<group>.json)")
+    ap.add_argument("--at", metavar="REV", help="read the explanations as they stood at this git revision")
     args = ap.parse_args()
     meta = next(args.venv.glob("lib/python3*/site-packages/vllm-*.dist-info/METADATA"), None)
     if meta is None:
         print(f"error: {args.venv} has no vllm installed; give a cell's venv", file=sys.stderr)
         return 2
     release = next(ln.split(":", 1)[1].strip() for ln in meta.read_text().splitlines() if ln.startswith("Version:"))
-    reasons = gen.load_reasons(REPO / "tests" / "mutants" / f"equivalent-{args.target}.toml")
-    named = {i: s for i, s in catalogue(args.venv, args.target, reasons, release).items()}
+    toml = REPO / "tests" / "mutants" / f"equivalent-{args.target}.toml"
+    reasons = gen.load_reasons(toml)
+    then = reasons
+    if args.at:
+        rel = toml.relative_to(REPO).as_posix()
+        old = subprocess.run(["git", "-C", str(REPO), "show", f"{args.at}:{rel}"], capture_output=True, text=True)
+        if old.returncode:
+            print(f"error: {rel} is not in git revision {args.at!r}; give a commit of this repository", file=sys.stderr)
+            return 2
+        with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+            f.write(old.stdout)
+            f.flush()
+            then = gen.load_reasons(Path(f.name))
+    named = {i: s for i, s in catalogue(args.venv, args.target, then, release).items()}
     if args.shape:
         named = {i: s for i, s in named.items() if set(s) & set(args.shape)}
     if args.ids:
