@@ -94,7 +94,9 @@ def main() -> int:
         text = parts[0] + new + "".join(parts[1:])
     tomllib.loads(text)
     path.write_text(text)
-    print(f"{path.relative_to(REPO)}: {removed} (release, id) explanations removed; {len(new and tomllib.loads(new)['explained'])} entries added")
+    print(
+        f"{path.relative_to(REPO)}: {removed} (release, id) explanations removed; {len(new and tomllib.loads(new)['explained'])} entries added"
+    )
     for line in left:
         print(f"  left for a person: {line}")
     return 0
