@@ -12,7 +12,9 @@ and reads tests/mutants/equivalent-<group>.toml: a mutant belongs to a shape whe
 survivor ("a configuration the suite never sets up") names the shape's configuration (hybrid/HMA/Mamba/sliding
 window, heterogeneous TP, MLA, drafts, a replaced prefill).  ``--ids`` prints them space-separated, for
 ``nox -s mutants -- --mutant "..."``; ``--score`` reads a mutation run's results and prints, per shape, how many of
-those mutants it killed, how many survive and are still explained, and which survive unexplained.
+those mutants it killed and, of the survivors, how many the catalogue now explains as out of scope (a
+configuration still not built), as reached but not observable, as a gap (a contract still to write), and which
+are unexplained.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def main() -> int:
     ap.add_argument("--shape", action="append", default=[], help="only this shape (repeatable)")
     ap.add_argument("--ids", action="store_true", help="print the ids, space-separated")
     ap.add_argument("--score", type=Path, help="a mutation run's results (results/mutants-<cell>--<group>.json)")
+    ap.add_argument("--markdown", action="store_true", help="with --score: table rows for docs/mutation.md")
     ap.add_argument("--at", metavar="REV", help="read the explanations as they stood at this git revision")
     args = ap.parse_args()
     meta = next(args.venv.glob("lib/python3*/site-packages/vllm-*.dist-info/METADATA"), None)
@@ -101,23 +104,45 @@ def main() -> int:
     left = collections.defaultdict(list)
     for i, shapes in named.items():
         verdict = status.get(i, "not scored")
-        still = reasons.explanation_for(i, release)
-        for s in shapes:
+        if verdict == "survived":
+            verdict = kind_of(reasons.explanation_for(i, release))
+        for s in [*shapes, "all"]:
             rows[s][verdict] += 1
-            if verdict != "killed" and not still:
+            if verdict == "unexplained":
                 left[s].append(i)
-    for s in SHAPE_WORDS:
+    for s in [*SHAPE_WORDS, "all"]:
         if s not in rows:
             continue
         c = rows[s]
         total = sum(c.values())
-        print(
-            f"{release} {args.target} {s}: {total} mutants, {c['killed']} killed ({100 * c['killed'] / total:.0f} %), "
-            + ", ".join(f"{n} {k}" for k, n in c.items() if k != "killed")
-        )
-        for i in left[s]:
-            print(f"    unexplained survivor: {i}")
+        if args.markdown:
+            cols = " | ".join(str(c[k]) for k in KINDS)
+            print(
+                f"| {release} | {args.target} | {s} | {total} | {c['killed']} ({100 * c['killed'] / total:.0f} %) | {cols} |"
+            )
+        else:
+            print(
+                f"{release} {args.target} {s}: {total} mutants, {c['killed']} killed ({100 * c['killed'] / total:.0f} %), "
+                + ", ".join(f"{n} {k}" for k, n in c.items() if k != "killed")
+            )
+        if s != "all":
+            for i in left[s]:
+                print(f"    unexplained survivor: {i}")
     return 0
+
+
+# How a survivor's current explanation classes it (tests/mutants/equivalent-*.toml's reason prefixes).
+KINDS = ("out of scope", "not observable", "gap", "unexplained")
+
+
+def kind_of(reason: str | None) -> str:
+    if not reason:
+        return "unexplained"
+    if reason.startswith("gap"):
+        return "gap"
+    if reason.startswith("out of scope"):
+        return "out of scope"
+    return "not observable"
 
 
 if __name__ == "__main__":
