@@ -11,7 +11,7 @@ slept and woke (its KV memory registered again) to be read with its new registra
 
 Engines are the release's Scheduler with MultiConnector(Nixl + CPU offload) and its worker half, moving
 real bytes over the fake NIXL transport (kvcompat.testkit.fake_nixl).  What the fake leaves out is
-modelled here on its own state (:class:`_Peers`), as NIXL behaves: a peer whose process is gone fails
+modelled on the fake's own state (:class:`kvcompat.testkit.fake_nixl.Peers`), as NIXL behaves: a peer whose process is gone fails
 the transfers towards it as a remote disconnect (and NIXL drops its metadata), and a read made with a
 peer's memory registration from before that peer registered its memory again fails (its remote keys are
 stale).  The release's timers run on kvcompat.testkit.nixl_clock, not waited out.
@@ -28,7 +28,7 @@ import pytest
 from kvcompat.testkit import adapter as va
 from kvcompat.testkit import nixl_clock, not_applicable, setup_owned_by
 from kvcompat.testkit.deploy.restarted_prefill import NEW_ENGINE, Restart
-from kvcompat.testkit.fake_nixl import _agent_key
+from kvcompat.testkit.fake_nixl import Peers, _agent_key
 
 from conftest import (
     BLOCK,
@@ -133,81 +133,6 @@ def _registrations(agent) -> int:
     return len(agent.calls_named("register_memory"))
 
 
-class _Peers:
-    """What NIXL does with peers that the fake transport leaves out, modelled on the fake's own state
-    (class-wide, undone with the test's monkeypatch), and every read's remote agent and end.
-
-    * A peer whose process is gone (``gone``): a transfer towards it ends in ``"ERR"`` as a remote
-      disconnect, and the reading agent drops the peer's metadata (NIXL_ERR_REMOTE_DISCONNECT makes
-      nixlAgent::getXferStatus invalidate the remote agent; fake_nixl's ``disconnecting_transfers``, aimed
-      at that peer).  The fake would otherwise still find the peer's agent object in this process and copy
-      from the memory it had registered.
-    * ``registrations``: an agent's metadata carries its memory registration (real NIXL metadata holds the
-      registered sections and their remote keys); a read made with a peer's registration from before the
-      peer registered its memory again (a sleep and wake-up) ends in ``"ERR"`` with no bytes moved: its
-      remote keys are stale.  The fake's metadata is only the agent's name, the same before and after.
-    """
-
-    def __init__(self, monkeypatch, cls, *, registrations: bool = False):
-        self.gone: set[str] = set()
-        self.reads: list[tuple[str, str, int]] = []  # (reading agent, remote agent, index in its calls)
-        self.ends: list[tuple[str, str, str]] = []  # (reading agent, remote agent, "DONE" | "ERR")
-        self.stale_reads = 0
-        self.loaded: dict[tuple[str, str], int] = {}  # (agent, remote agent) -> the registration it loaded
-        peers = self
-        real_make, real_check = cls.make_prepped_xfer, cls.check_xfer_state
-
-        def make_prepped_xfer(agent, *args, **kwargs):
-            handle = real_make(agent, *args, **kwargs)
-            remote = args[3] if len(args) > 3 else kwargs["remote_xfer_side"]
-            peers.reads.append((agent.name, agent._dlists[remote][0], len(agent.calls) - 1))
-            return handle
-
-        def check_xfer_state(agent, handle):
-            x = agent._xfers.get(handle)
-            proc = x is not None and x.state == "PROC"
-            if proc:
-                remote = agent._remote_name(x)
-                if remote in peers.gone:
-                    agent._invalidate(remote)  # the disconnect: the transfer ends in ERR, the metadata is dropped
-                elif peers._stale(agent, remote):
-                    peers.stale_reads += 1
-                    x.state = "ERR"
-            state = real_check(agent, handle)
-            if proc and state != "PROC":
-                peers.ends.append((agent.name, agent._remote_name(x), state))
-            return state
-
-        monkeypatch.setattr(cls, "make_prepped_xfer", make_prepped_xfer)
-        monkeypatch.setattr(cls, "check_xfer_state", check_xfer_state)
-        if not registrations:
-            return
-        real_md, real_add = cls.get_agent_metadata, cls.add_remote_agent
-
-        def get_agent_metadata(agent):
-            return real_md(agent) + b"@reg" + str(_registrations(agent)).encode()
-
-        def add_remote_agent(agent, metadata):
-            md, _, reg = bytes(metadata).rpartition(b"@reg")
-            name = real_add(agent, md)
-            peers.loaded[(agent.name, _agent_key(name))] = int(reg)
-            return name
-
-        monkeypatch.setattr(cls, "get_agent_metadata", get_agent_metadata)
-        monkeypatch.setattr(cls, "add_remote_agent", add_remote_agent)
-
-    def _stale(self, agent, remote: str) -> bool:
-        loaded = self.loaded.get((agent.name, remote))
-        peer = type(agent).named(remote)
-        return loaded is not None and peer is not None and _registrations(peer) != loaded
-
-    def reads_towards(self, names: set[str], since: int = 0) -> list[tuple[str, str, int]]:
-        return [r for r in self.reads[since:] if r[1] in names]
-
-    def done_towards(self, names: set[str], since: int = 0) -> int:
-        return sum(1 for _, remote, state in self.ends[since:] if remote in names and state == "DONE")
-
-
 def _add(d, rid: str, prompt: list[int], params: dict):
     req = va.make_request(rid, prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
@@ -254,7 +179,7 @@ def _ends_cleanly(engines, d, req, prompt: list[int], what: str) -> None:
     assert checked or req.num_output_tokens == 0, f"{what}: the request finished with tokens before it could be checked"
 
 
-def _read_from(p, d, rid: str, prompt: list[int], peers: _Peers, params: dict | None = None, others=()) -> None:
+def _read_from(p, d, rid: str, prompt: list[int], peers: Peers, params: dict | None = None, others=()) -> None:
     """D reads ``rid`` from P over NIXL (P prefills it first unless ``params`` are given): P's kv_transfer_params
     name P's engine; D waits for the remote KV and reads it from P's agents only, with P's current memory
     registration, and only after it loaded P's agent; its blocks then hold exactly P's KV; the request
@@ -310,7 +235,7 @@ def test_decode_handshakes_the_new_prefill_before_reading_and_lets_go_of_the_old
     its engine_ttl where it only evicts idle engines): no Nixl worker state mentions P1's engine, P1's agent
     is dropped from D's NIXL agent once, and no descriptor list prepared for it is left open.  Nothing
     leaks."""
-    peers = _Peers(monkeypatch, nixl_agent)
+    peers = Peers(monkeypatch, nixl_agent)
     restart = Restart()
     p2, d = make_pd(shape=shape, restart=restart)
     p1 = restart.old
@@ -352,7 +277,7 @@ def test_reads_from_the_old_prefill_when_it_goes_away_end_cleanly_and_the_new_on
     is never read from P2, which now answers at P1's address (it holds other KV under other block ids).  D
     then handshakes with P2 and reads its next request byte-exact; no transfer handle is left open and
     nothing leaks."""
-    peers = _Peers(monkeypatch, nixl_agent)
+    peers = Peers(monkeypatch, nixl_agent)
     held: dict = {}
 
     def in_flight(p1, d):
@@ -416,7 +341,7 @@ def test_a_prefill_restarted_with_its_engine_id_is_never_read_with_the_old_engin
     read from P2's agent byte-exact after D handshook P2, or refused (ended as the release's
     kv_load_failure_policy says, never decoded over blocks nobody wrote); within 3 requests D
     handshakes P2 and reads from it, and keeps nothing of P1's agent.  Nothing leaks."""
-    peers = _Peers(monkeypatch, nixl_agent)
+    peers = Peers(monkeypatch, nixl_agent)
     restart = Restart(same_engine_id=True)
     p2, d = make_pd(shape=shape, restart=restart, nixl_extra_config=nixl_lease(monkeypatch, LEASE_S))
     clock = nixl_clock.install(monkeypatch)
@@ -485,7 +410,7 @@ def test_a_prefill_that_slept_and_woke_is_read_with_its_new_registration(make_pd
     load P2's new registration (handshake again) before its next read from P2, and that read to succeed
     byte-exact (not fail and be recomputed or errored for every request after a wake-up); nothing leaks."""
     _sleep_mode_reaches_the_connector()
-    peers = _Peers(monkeypatch, nixl_agent, registrations=True)
+    peers = Peers(monkeypatch, nixl_agent, registrations=True)
     p2, d = make_pd(shape=shape)
     _read_from(p2, d, "before-sleep", token_ids(3 * BLOCK + 5, start=5900), peers)
     assert _handshakes_with(d, p2) == 1, f"D handshook P2 {_handshakes_with(d, p2)} times for one read; want 1"

@@ -175,3 +175,35 @@ def test_no_class_is_over_200_lines():
     sizes = {n.name: n.end_lineno - n.lineno for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
     assert "FakeNixlWrapper" in sizes
     assert max(sizes.values()) <= 200, sizes
+
+
+def test_peers_fail_reads_towards_a_gone_peer_and_reads_with_a_stale_registration(agents, monkeypatch):
+    """fake_nixl.Peers (the restarted-prefill shape's peers): a read towards a live peer completes and is recorded
+    with its remote agent; once the peer is gone, a read in flight towards it ends in ERR and the reader drops the
+    peer's metadata (a remote disconnect); with ``registrations``, a read made with the peer's registration from
+    before it registered its memory again ends in ERR, and one after the reader loaded the new metadata completes."""
+    d, p = agents
+    peers = fake_nixl.Peers(monkeypatch, FakeNixlWrapper, registrations=True)
+    local_buf, local_descs = _blocks(0)
+    _, remote_descs = _blocks(7)
+    p.register_memory(remote_descs)
+    d.add_remote_agent(p.get_agent_metadata())
+    local = d.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, "DRAM")
+    remote = d.prep_xfer_dlist(b"prefill", remote_descs, "DRAM")
+    h = d.make_prepped_xfer("READ", local, [0], remote, [0], b"live")
+    d.transfer(h)
+    assert d.check_xfer_state(h) == "DONE" and bytes(local_buf[:64]) == bytes([7] * 64)
+    assert [r[:2] for r in peers.reads] == [("decode", "prefill")] and peers.done_towards({"prefill"}) == 1
+    p.register_memory(remote_descs)  # the peer registered its memory again: d's metadata of it is stale
+    h = d.make_prepped_xfer("READ", local, [1], remote, [1], b"stale")
+    d.transfer(h)
+    assert d.check_xfer_state(h) == "ERR" and peers.stale_reads == 1
+    d.add_remote_agent(p.get_agent_metadata())
+    h = d.make_prepped_xfer("READ", local, [1], remote, [1], b"fresh")
+    d.transfer(h)
+    assert d.check_xfer_state(h) == "DONE"
+    FakeNixlWrapper.polls_until_done = 2
+    h = d.make_prepped_xfer("READ", local, [2], remote, [2], b"in-flight")
+    d.transfer(h)
+    peers.gone.add("prefill")
+    assert d.check_xfer_state(h) == "ERR" and not d.check_remote_metadata("prefill")

@@ -42,6 +42,10 @@ process are kept in ``FakeNixlWrapper.instances``.
 agents), ``_Transfers`` (prepped lists, transfer handles and states, the byte
 copies) and ``_Notifications`` (queueing, delivery by name, draining); the
 class itself holds the process-wide state (``instances``, ``polls_until_done``, ``failing_transfers``).
+
+:class:`Peers` adds what NIXL does with peers that go away or register their memory again (a restarted or
+woken prefill): transfers towards a gone peer end as a remote disconnect, a read made with a stale
+registration fails; a test that replaces a peer installs it with its monkeypatch.
 """
 
 from __future__ import annotations
@@ -452,3 +456,78 @@ class FakeNixlWrapper(_AgentsAndMemory, _Transfers, _Notifications):
         key = _agent_key(name)
         with cls._lock:
             return next((a for a in reversed(cls.instances) if a.name == key), None)
+
+
+class Peers:
+    """What NIXL does with peers that a test replaces or restarts, which the fake leaves out otherwise, modelled on the fake's own state
+    (class-wide, undone with the test's monkeypatch), and every read's remote agent and end.
+
+    * A peer whose process is gone (``gone``): a transfer towards it ends in ``"ERR"`` as a remote
+      disconnect, and the reading agent drops the peer's metadata (NIXL_ERR_REMOTE_DISCONNECT makes
+      nixlAgent::getXferStatus invalidate the remote agent; fake_nixl's ``disconnecting_transfers``, aimed
+      at that peer).  The fake would otherwise still find the peer's agent object in this process and copy
+      from the memory it had registered.
+    * ``registrations``: an agent's metadata carries its memory registration (real NIXL metadata holds the
+      registered sections and their remote keys); a read made with a peer's registration from before the
+      peer registered its memory again (a sleep and wake-up) ends in ``"ERR"`` with no bytes moved: its
+      remote keys are stale.  The fake's metadata is only the agent's name, the same before and after.
+    """
+
+    def __init__(self, monkeypatch, cls, *, registrations: bool = False):
+        self.gone: set[str] = set()
+        self.reads: list[tuple[str, str, int]] = []  # (reading agent, remote agent, index in its calls)
+        self.ends: list[tuple[str, str, str]] = []  # (reading agent, remote agent, "DONE" | "ERR")
+        self.stale_reads = 0
+        self.loaded: dict[tuple[str, str], int] = {}  # (agent, remote agent) -> the registration it loaded
+        peers = self
+        real_make, real_check = cls.make_prepped_xfer, cls.check_xfer_state
+
+        def make_prepped_xfer(agent, *args, **kwargs):
+            handle = real_make(agent, *args, **kwargs)
+            remote = args[3] if len(args) > 3 else kwargs["remote_xfer_side"]
+            peers.reads.append((agent.name, agent._dlists[remote][0], len(agent.calls) - 1))
+            return handle
+
+        def check_xfer_state(agent, handle):
+            x = agent._xfers.get(handle)
+            proc = x is not None and x.state == "PROC"
+            if proc:
+                remote = agent._remote_name(x)
+                if remote in peers.gone:
+                    agent._invalidate(remote)  # the disconnect: the transfer ends in ERR, the metadata is dropped
+                elif peers._stale(agent, remote):
+                    peers.stale_reads += 1
+                    x.state = "ERR"
+            state = real_check(agent, handle)
+            if proc and state != "PROC":
+                peers.ends.append((agent.name, agent._remote_name(x), state))
+            return state
+
+        monkeypatch.setattr(cls, "make_prepped_xfer", make_prepped_xfer)
+        monkeypatch.setattr(cls, "check_xfer_state", check_xfer_state)
+        if not registrations:
+            return
+        real_md, real_add = cls.get_agent_metadata, cls.add_remote_agent
+
+        def get_agent_metadata(agent):
+            return real_md(agent) + b"@reg" + str(len(agent.calls_named("register_memory"))).encode()
+
+        def add_remote_agent(agent, metadata):
+            md, _, reg = bytes(metadata).rpartition(b"@reg")
+            name = real_add(agent, md)
+            peers.loaded[(agent.name, _agent_key(name))] = int(reg)
+            return name
+
+        monkeypatch.setattr(cls, "get_agent_metadata", get_agent_metadata)
+        monkeypatch.setattr(cls, "add_remote_agent", add_remote_agent)
+
+    def _stale(self, agent, remote: str) -> bool:
+        loaded = self.loaded.get((agent.name, remote))
+        peer = type(agent).named(remote)
+        return loaded is not None and peer is not None and len(peer.calls_named("register_memory")) != loaded
+
+    def reads_towards(self, names: set[str], since: int = 0) -> list[tuple[str, str, int]]:
+        return [r for r in self.reads[since:] if r[1] in names]
+
+    def done_towards(self, names: set[str], since: int = 0) -> int:
+        return sum(1 for _, remote, state in self.ends[since:] if remote in names and state == "DONE")
