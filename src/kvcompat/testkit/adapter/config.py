@@ -18,6 +18,16 @@ from kvcompat.outcomes import CHILD_ORDER_ENV, CHILD_ORDERS
 from kvcompat.testkit import probes
 from kvcompat.testkit.adapter.capabilities import call_with_supported, has_simple_cpu_offload, offload_child_name
 
+EOS_TOKEN_ID = 2
+# What every tiny model of the suite (the dense Llama, the shapes' hybrid and MLA models) shares: the
+# vocabulary and special tokens the suite's prompts and sampled tokens are drawn from, the dtype, the length.
+TINY_MODEL_COMMON: dict[str, Any] = {
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": EOS_TOKEN_ID,
+}
 # Tiny local model (no weights, no hub).  head_size 32 and block_size 32 suit the
 # CPU attention backend (head sizes 32..512, block size a multiple of 32).
 TINY_MODEL_CONFIG: dict[str, Any] = {
@@ -28,19 +38,14 @@ TINY_MODEL_CONFIG: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "num_hidden_layers": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
+    **TINY_MODEL_COMMON,
 }
 NUM_KV_HEADS = 2
 HEAD_SIZE = 32
 LAYER_NAMES = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
-EOS_TOKEN_ID = 2
 SAMPLED_TOKEN_ID = 100  # any non-EOS token
 
 

@@ -54,11 +54,17 @@ def model_config(shape: Shape) -> dict[str, Any]:
 
 
 def write_model(shape: Shape, directory: Path) -> Path:
-    """The tiny model for ``shape`` in ``directory`` (its config.json)."""
+    """The tiny model for ``shape`` in ``directory`` (its config.json).  A family whose model differs
+    redefines ``model_config`` and this, as ``write_config(directory, model_config(shape))``."""
+    return write_config(directory, model_config(shape))
+
+
+def write_config(directory: Path, config: dict[str, Any]) -> Path:
+    """``config`` as ``directory``'s config.json (a model without weights); returns the directory."""
     import json
 
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(model_config(shape), indent=1))
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
     return directory
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -42,8 +41,10 @@ from typing import Any
 from kvcompat.shapes import Shape
 from kvcompat.testkit import probes
 from kvcompat.testkit.adapter import capabilities as _caps
+from kvcompat.testkit.adapter import config as _config
 from kvcompat.testkit.adapter import planner as _planner
 from kvcompat.testkit.deploy.base import *  # noqa: F403
+from kvcompat.testkit.deploy.base import write_config
 from kvcompat.testkit.deploy.hybrid_kinds import MambaStateKind, SlidingWindowKind
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
@@ -72,12 +73,8 @@ MODEL_CONFIG: dict[str, Any] = {
     "num_experts_per_tok": 0,
     "position_embedding_type": "rope",
     "attention_multiplier": 0.125,
-    "vocab_size": 512,
-    "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
+    **_config.TINY_MODEL_COMMON,
 }
 
 
@@ -102,9 +99,7 @@ def model_config(shape: Shape) -> dict[str, Any]:
 
 def write_model(shape: Shape, directory: Path) -> Path:
     """The tiny hybrid model's ``config.json`` in ``directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(model_config(shape), indent=1))
-    return directory
+    return write_config(directory, model_config(shape))
 
 
 def config_kwargs(shape: Shape, side: str) -> dict[str, Any]:

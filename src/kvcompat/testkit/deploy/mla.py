@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +73,7 @@ from kvcompat.testkit.adapter import config as _config
 from kvcompat.testkit.adapter import forward as _forward
 from kvcompat.testkit.adapter import planner as _planner
 from kvcompat.testkit.deploy.base import *  # noqa: F403
+from kvcompat.testkit.deploy.base import write_config
 
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
@@ -96,13 +96,9 @@ MODEL_CONFIG: dict[str, Any] = {
     "qk_nope_head_dim": 32,
     "qk_rope_head_dim": QK_ROPE_HEAD_DIM,
     "v_head_dim": 32,
-    "vocab_size": 512,
-    "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
+    **_config.TINY_MODEL_COMMON,
 }
 # Where each release defines its MLA attention layer (the class whose get_kv_cache_spec reports the spec).
 MLA_LAYER_MODULES = ("vllm.model_executor.layers.attention.mla_attention", "vllm.attention.layer")
@@ -143,9 +139,7 @@ def model_config(shape: Shape) -> dict[str, Any]:
 
 def write_model(shape: Shape, directory: Path) -> Path:
     """The tiny DeepSeek-V2 in ``directory`` (its config.json)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(model_config(shape), indent=1))
-    return directory
+    return write_config(directory, model_config(shape))
 
 
 def _user_budget() -> int:
