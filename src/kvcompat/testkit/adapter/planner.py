@@ -75,14 +75,26 @@ def _resolve_block_sizes(vllm_config: Any, kv_cache_configs: list[Any]) -> None:
     scheduler = kv_cache_configs[-1]
     if not hasattr(utils, "resolve_kv_cache_block_sizes") or not hasattr(scheduler, "hash_block_size"):
         return
-    block, hash_block = utils.resolve_kv_cache_block_sizes(scheduler, vllm_config)
-    alignment = None
-    if hasattr(utils, "resolve_cache_hit_alignment_tokens") and hasattr(scheduler, "cache_hit_alignment_tokens"):
-        alignment = utils.resolve_cache_hit_alignment_tokens(scheduler, vllm_config, block, hash_block)
+    hash_block, alignment = resolved_block_sizes(vllm_config, scheduler)
+    aligned = hasattr(utils, "resolve_cache_hit_alignment_tokens") and hasattr(scheduler, "cache_hit_alignment_tokens")
     for config in kv_cache_configs:
         config.hash_block_size = hash_block
-        if alignment is not None:
+        if aligned:
             config.cache_hit_alignment_tokens = alignment
+
+
+def resolved_block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int]:
+    """(hash block size, cache-hit alignment in tokens) of ``kv_cache_config`` as EngineCore resolves them
+    (``v1/engine/core.py`` 0.34.0 L388-402); the block size for both where the release resolves neither."""
+    utils = importlib.import_module(UTILS)
+    block = vllm_config.cache_config.block_size
+    hash_block = block
+    if hasattr(utils, "resolve_kv_cache_block_sizes"):
+        block, hash_block = utils.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    alignment = block
+    if hasattr(utils, "resolve_cache_hit_alignment_tokens"):
+        alignment = utils.resolve_cache_hit_alignment_tokens(kv_cache_config, vllm_config, block, hash_block)
+    return hash_block, alignment
 
 
 def _has_spec_registry() -> bool:

@@ -200,7 +200,6 @@ def kinds(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     """A Mamba group's layers hold states (align mode), the sliding-window group's its window."""
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
-    _resolve_block_sizes(vllm_config, kv_cache_config)
     out: dict[str, Any] = {}
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -214,19 +213,6 @@ def kinds(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     return out
 
 
-def _resolve_block_sizes(vllm_config: Any, kv_cache_config: Any) -> None:
-    """EngineCore's step between planning and building the scheduler (``v1/engine/core.py`` 0.34.0 L388-402),
-    which the suite's planner does not take: the hash block size and cache-hit alignment on the scheduler's
-    KVCacheConfig, which the Nixl scheduler reads to truncate a hybrid prefill (``nixl/base_scheduler.py``
-    0.34.0 L441-442).  Where the release's KVCacheConfig has the fields."""
-    if not hasattr(kv_cache_config, "hash_block_size"):
-        return
-    hash_block, alignment = _resolved_block_sizes(vllm_config, kv_cache_config)
-    kv_cache_config.hash_block_size = hash_block
-    if hasattr(kv_cache_config, "cache_hit_alignment_tokens"):
-        kv_cache_config.cache_hit_alignment_tokens = alignment
-
-
 def _checkpoint_rule(vllm_config: Any, kv_cache_config: Any, spec: Any):
     """Where the release's Mamba kernels export an internal prefill checkpoint (``model_executor/layers/mamba/
     checkpoint.py`` ``MambaPrefillCheckpointBuilder.build``, 0.33+): the release's own rule, with the block sizes
@@ -237,7 +223,7 @@ def _checkpoint_rule(vllm_config: Any, kv_cache_config: Any, spec: Any):
     if vllm_config.cache_config.mamba_cache_mode != "align":
         return None
     compute = importlib.import_module(name).compute_mamba_prefill_checkpoints
-    hash_block, alignment = _resolved_block_sizes(vllm_config, kv_cache_config)
+    hash_block, alignment = _planner.resolved_block_sizes(vllm_config, kv_cache_config)
 
     def position(start: int, end: int) -> int:
         offsets, _ = _caps.call_with_supported(
@@ -254,25 +240,6 @@ def _checkpoint_rule(vllm_config: Any, kv_cache_config: Any, spec: Any):
         return start + offsets[0] if offsets[0] else 0
 
     return position
-
-
-def _resolved_block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int]:
-    """(hash block size, cache-hit alignment) as EngineCore resolves them (``v1/engine/core.py`` 0.34.0 L388-402)."""
-    utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
-    block = vllm_config.cache_config.block_size
-    hash_block = block
-    if hasattr(utils, "resolve_kv_cache_block_sizes"):
-        block, hash_block = utils.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    alignment = block
-    if hasattr(utils, "resolve_cache_hit_alignment_tokens"):
-        alignment = _caps.call_with_supported(
-            utils.resolve_cache_hit_alignment_tokens,
-            kv_cache_config=kv_cache_config,
-            vllm_config=vllm_config,
-            scheduler_block_size=block,
-            hash_block_size=hash_block,
-        )
-    return hash_block, alignment
 
 
 def allocate(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
