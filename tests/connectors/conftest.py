@@ -33,7 +33,7 @@ import pytest
 
 from kvcompat import shapes
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import deploy, not_applicable, ports, probes, record_fact, setup_owned_by
+from kvcompat.testkit import deploy, not_applicable, ports, probes, record_fact, setup_owned_by, user_configuration
 from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.adapter import idle
 from kvcompat.testkit.fake_nixl import FakeNixlWrapper
@@ -659,6 +659,13 @@ def assert_no_leak(*engines: Engine) -> None:
     pinned CPU-tier blocks as when it was built (read from the release, not assumed)."""
     found = [f"{e.kv_transfer_name()}: {'; '.join(leaks)}" for e in engines if (leaks := e.leaks())]
     assert not found, "leak after the scenario: " + " | ".join(found)
+
+
+def deployed(make: Any, shape: shapes.Shape, **kwargs: Any) -> Any:
+    """``make(shape=shape, **kwargs)`` (the ``make_pd`` or ``make_engine`` fixture) as the user's configuration
+    of ``shape``: a release that refuses to build it is ``unsupported``, not a test error."""
+    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
+        return make(shape=shape, **kwargs)
 
 
 def stored_prefix(engine: Engine, prompt: list[int], req_id: str) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import setup_owned_by, user_configuration
+from kvcompat.testkit import setup_owned_by
 from kvcompat.testkit.deploy import async_sched, drafts
 
 from conftest import (
@@ -31,6 +31,7 @@ from conftest import (
     assert_blocks_hold_the_prompt,
     assert_no_leak,
     cpu_tier_hit,
+    deployed,
     read_received,
     step_until,
     stored_prefix,
@@ -41,8 +42,7 @@ MAX_TOKENS = 6
 
 
 def _deploy(make_pd, shape, **decode):
-    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
-        return make_pd(shape=shape, decode=decode or None)
+    return deployed(make_pd, shape, decode=decode or None)
 
 
 def _output(engine, rid: str) -> list[int]:

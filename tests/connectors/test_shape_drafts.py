@@ -22,7 +22,7 @@ import pytest
 
 from kvcompat import shapes
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import setup_owned_by, user_configuration
+from kvcompat.testkit import setup_owned_by
 from kvcompat.testkit.deploy import drafts
 
 from conftest import (
@@ -33,6 +33,7 @@ from conftest import (
     assert_blocks_hold_the_prompt,
     assert_no_leak,
     cpu_tier_hit,
+    deployed,
     read_received,
     step_until,
     stored_prefix,
@@ -43,8 +44,7 @@ MAX_TOKENS = 10
 
 
 def _deploy(make_pd, shape, **decode):
-    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
-        return make_pd(shape=shape, decode=decode or None)
+    return deployed(make_pd, shape, decode=decode or None)
 
 
 def _output(engine, rid: str) -> list[int]:
@@ -85,8 +85,7 @@ def _resume_from_cpu_tier(make_engine, shape, rid: str, prompt: list[int]):
     """``prompt`` stored in D's CPU tier, then a request for it that loads the hit asynchronously."""
     from vllm.v1.request import RequestStatus
 
-    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
-        d = make_engine(shape=shape, side="decode")
+    d = deployed(make_engine, shape, side="decode")
     stored_prefix(d, prompt, f"{rid}-src")
     with setup_owned_by(STORED):
         assert cpu_tier_hit(d, prompt, f"{rid}-probe") >= (len(prompt) // BLOCK) * BLOCK, "no CPU-tier hit"

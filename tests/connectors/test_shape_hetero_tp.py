@@ -16,7 +16,7 @@ import pytest
 
 from kvcompat import shapes
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import setup_owned_by, user_configuration
+from kvcompat.testkit import setup_owned_by
 from kvcompat.testkit.adapter.idle import worker_object
 
 from conftest import (
@@ -24,6 +24,7 @@ from conftest import (
     PREFILLED,
     SHAPE_PD_READ,
     assert_no_leak,
+    deployed,
     patient_steps,
     read_received,
     step_until,
@@ -34,8 +35,7 @@ NEVER = 10**9  # polls before a held fake NIXL transfer completes
 
 
 def _deploy(make_pd, shape):
-    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
-        return make_pd(shape=shape)
+    return deployed(make_pd, shape)
 
 
 def _agent(engine, rank: int):

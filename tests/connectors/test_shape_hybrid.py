@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import setup_owned_by, user_configuration
+from kvcompat.testkit import setup_owned_by
 from kvcompat.testkit.adapter.forward import NULL_BLOCK
 
 from conftest import (
@@ -26,6 +26,7 @@ from conftest import (
     STORED,
     assert_no_leak,
     cpu_tier_hit,
+    deployed,
     patient_steps,
     read_received,
     step_until,
@@ -42,13 +43,11 @@ def _engine(make_engine, shape, **kwargs) -> Any:
     ``unsupported`` (the dense engine's construction is the worker contract's, as everywhere)."""
     if shape.id == "dense":
         return make_engine(shape=shape, **kwargs)
-    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
-        return make_engine(shape=shape, **kwargs)
+    return deployed(make_engine, shape, **kwargs)
 
 
 def _pair(make_pd, shape) -> tuple[Any, Any]:
-    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
-        return make_pd(shape=shape)
+    return deployed(make_pd, shape)
 
 
 def _groups_held(engine, block_ids, tokens: list[int]) -> list[tuple[str, int, int, list[int], int]]:

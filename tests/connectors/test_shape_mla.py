@@ -23,7 +23,7 @@ import dataclasses
 import pytest
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import nixl_clock, setup_owned_by, user_configuration
+from kvcompat.testkit import nixl_clock, setup_owned_by
 from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.adapter.idle import worker_object
 from kvcompat.testkit.fake_nixl import _expand
@@ -31,6 +31,7 @@ from kvcompat.testkit.fake_nixl import _expand
 from conftest import (
     PREFILLED,
     assert_no_leak,
+    deployed,
     nixl_lease,
     patient_steps,
     read_received,
@@ -45,8 +46,7 @@ PROMPT_STEPS = 12  # steps after D's read (or abort) within which every P rank h
 def _deploy(make_pd, shape, monkeypatch):
     """P and D as ``shape`` deploys them, with a lease of ``LEASE_S`` and Nixl on the test's clock."""
     lease = nixl_lease(monkeypatch, LEASE_S)
-    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
-        p, d = make_pd(shape=shape, nixl_extra_config=lease)
+    p, d = deployed(make_pd, shape, nixl_extra_config=lease)
     return p, d, nixl_clock.install(monkeypatch)
 
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import pytest
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import setup_owned_by, user_configuration
+from kvcompat.testkit import setup_owned_by
 
 from conftest import (
     BLOCK,
     PREFILLED,
     assert_blocks_hold_the_prompt,
     assert_no_leak,
+    deployed,
     patient_steps,
     read_failure,
     read_received,
@@ -32,8 +33,7 @@ TRANSFER_SHAPES = ("dense", "hybrid", "hetero-tp", "mla", "drafts", "restarted-p
 
 def _deploy(make_pd, shape):
     """P and D as ``shape`` deploys them; a release that refuses to build the shape is ``unsupported``."""
-    with user_configuration(f"MultiConnector(Nixl, CPU offload) in the {shape.id} shape ({shape.what})"):
-        return make_pd(shape=shape)
+    return deployed(make_pd, shape)
 
 
 def _snapshot(engine) -> dict[tuple[int, str], object]:
