@@ -41,9 +41,7 @@ def prune(text: str, drop: dict[str, set[str]]) -> tuple[str, int, list[str]]:
             out.append(b)
             continue
         e = tomllib.loads(b)["explained"][0]
-        releases = e.get("releases", "*")
-        releases = [releases] if isinstance(releases, str) else list(releases)
-        ids = [e["ids"]] if isinstance(e["ids"], str) else list(e["ids"])
+        releases, ids = _listed(e.get("releases", "*")), _listed(e["ids"])
         mine = [r for r in releases if r in drop]
         if e.get("regex"):
             if any(re.fullmatch(p, k) for r in mine for p in ids for k in drop[r]):
@@ -64,8 +62,9 @@ def prune(text: str, drop: dict[str, set[str]]) -> tuple[str, int, list[str]]:
     return "".join(out), removed, left
 
 
-def release_of(results: dict) -> str:
-    return str(results["cell"]["vllm"])
+def _listed(value: str | list[str]) -> list[str]:
+    """An entry's ``ids`` or ``releases``: one string or a list of them."""
+    return [value] if isinstance(value, str) else list(value)
 
 
 def main() -> int:
@@ -80,13 +79,19 @@ def main() -> int:
             print(f"error: {path} does not exist; give a mutation run's results file", file=sys.stderr)
             return 2
         run = json.loads(path.read_text())
-        drop.setdefault(release_of(run), set()).update(m["id"] for m in run["mutants"] if m["status"] == "killed")
-    new = ""
+        killed = {m["id"] for m in run["mutants"] if m["status"] == "killed"}
+        drop.setdefault(str(run["cell"]["vllm"]), set()).update(killed)
+    new, added = "", []
     if args.add:
-        new = args.add.read_text().strip() + "\n\n"
-        for e in tomllib.loads(new).get("explained", []):
-            for r in [e["releases"]] if isinstance(e["releases"], str) else e["releases"]:
-                drop.setdefault(r, set()).update([e["ids"]] if isinstance(e["ids"], str) else e["ids"])
+        try:
+            new = args.add.read_text().strip() + "\n\n"
+            added = tomllib.loads(new).get("explained", [])
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            print(f"error: --add {args.add}: {exc}; give a TOML file of [[explained]] entries", file=sys.stderr)
+            return 2
+        for e in added:
+            for r in _listed(e["releases"]):
+                drop.setdefault(r, set()).update(_listed(e["ids"]))
     path = REPO / "tests" / "mutants" / f"equivalent-{args.target}.toml"
     text, removed, left = prune(path.read_text(), drop)
     if new:
@@ -94,9 +99,7 @@ def main() -> int:
         text = parts[0] + new + "".join(parts[1:])
     tomllib.loads(text)
     path.write_text(text)
-    print(
-        f"{path.relative_to(REPO)}: {removed} (release, id) explanations removed; {len(new and tomllib.loads(new)['explained'])} entries added"
-    )
+    print(f"{path.relative_to(REPO)}: {removed} (release, id) explanations removed; {len(added)} entries added")
     for line in left:
         print(f"  left for a person: {line}")
     return 0
