@@ -828,20 +828,30 @@ def assert_blocks_hold_the_prompt(d: Engine, block_ids: Any, prompt: list[int], 
     ``get_block_ids`` returns them): each rank its own KV heads, each layer as its kind holds it (an
     attention layer every block, a state layer its state blocks).  Returns how many blocks were compared."""
     compared = 0
-    for g, group in enumerate(d.kv_cache_config.kv_cache_groups):
+    for layer, g, j, block_id, prefix, bs in held_blocks(d, block_ids, prompt, full * BLOCK):
+        kind = d.kinds.get(layer, va.ATTENTION)
+        for rank in d.ranks:
+            cache = rank.kv_caches[layer]
+            want = kind.expected(cache, layer, prefix, rank.first_kv_head, bs)
+            assert va.same_bytes(kind.block(cache, block_id, bs), want), (
+                f"D's block {block_id} (prompt block {j}, {layer}, KV-cache group {g}, TP rank {rank.rank} "
+                f"of {rank.tp_size}) does not hold the KV P computed"
+            )
+            compared += 1
+    return compared
+
+
+def held_blocks(engine: Engine, block_ids: Any, tokens: list[int], computed: int):
+    """What each layer of ``engine`` holds for a request with ``block_ids`` (as ``get_block_ids`` returns them)
+    once the first ``computed`` of ``tokens`` are computed, as the layer's kind says (an attention layer every
+    full block, a state layer its state blocks): (layer, group, block index, block id, the prefix the block's
+    content depends on, block size) per block."""
+    for g, group in enumerate(engine.kv_cache_config.kv_cache_groups):
         bs = group.kv_cache_spec.block_size
         for layer in group.layer_names:
-            kind = d.kinds.get(layer, va.ATTENTION)
-            for j, block_id, prefix in kind.held(va.group_block_ids(block_ids, g), prompt, bs, full * BLOCK // bs):
-                for rank in d.ranks:
-                    cache = rank.kv_caches[layer]
-                    want = kind.expected(cache, layer, prefix, rank.first_kv_head, bs)
-                    assert va.same_bytes(kind.block(cache, block_id, bs), want), (
-                        f"D's block {block_id} (prompt block {j}, {layer}, KV-cache group {g}, TP rank {rank.rank} "
-                        f"of {rank.tp_size}) does not hold the KV P computed"
-                    )
-                    compared += 1
-    return compared
+            kind = engine.kinds.get(layer, va.ATTENTION)
+            for j, block_id, prefix in kind.held(va.group_block_ids(block_ids, g), tokens, bs, computed // bs):
+                yield layer, g, j, block_id, prefix, bs
 
 
 def pd_read_is_byte_exact(p: Engine, d: Engine, rid: str, prompt: list[int]) -> str:

@@ -27,6 +27,7 @@ from conftest import (
     assert_no_leak,
     cpu_tier_hit,
     deployed,
+    held_blocks,
     patient_steps,
     read_received,
     step_until,
@@ -53,14 +54,9 @@ def _pair(make_pd, shape) -> tuple[Any, Any]:
 def _groups_held(engine, block_ids, tokens: list[int]) -> list[tuple[str, int, int, list[int], int]]:
     """What every layer of ``engine`` must hold once it has computed ``tokens`` (its kinds say which blocks):
     (layer, group, block id, the prefix the block depends on, block size)."""
-    out = []
-    for g, group in enumerate(engine.kv_cache_config.kv_cache_groups):
-        bs = group.kv_cache_spec.block_size
-        for layer in group.layer_names:
-            kind = engine.kinds.get(layer, va.ATTENTION)
-            for _, block_id, prefix in kind.held(va.group_block_ids(block_ids, g), tokens, bs, len(tokens) // bs):
-                out.append((layer, g, block_id, prefix, bs))
-    return out
+    return [
+        (layer, g, b, prefix, bs) for layer, g, _, b, prefix, bs in held_blocks(engine, block_ids, tokens, len(tokens))
+    ]
 
 
 def _not_holding(engine, block_ids, tokens: list[int]) -> list[str]:
