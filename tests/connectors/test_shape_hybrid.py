@@ -79,7 +79,7 @@ def _scrub(engine) -> None:
     """Every device block zeroed, as a device whose freed blocks were reused holds nothing of them."""
     for rank in engine.ranks:
         for cache in rank.kv_caches.values():
-            for t in cache if isinstance(cache, (list, tuple)) else [cache]:
+            for t in va.layer_tensors(cache):
                 t.zero_()
 
 
@@ -265,8 +265,10 @@ def _is_state(engine, group) -> bool:
 def _being_copied(engine, transport, layer: str, block_id: int) -> bool:
     """Whether a copy in flight reads from block ``block_id`` of ``layer``'s cache."""
     cache = engine.ranks[0].kv_caches[layer]
-    states = cache if isinstance(cache, (list, tuple)) else [cache]
-    spans = [(s[block_id].data_ptr(), s[block_id].data_ptr() + s[block_id].numel() * s.element_size()) for s in states]
+    spans = [
+        (s[block_id].data_ptr(), s[block_id].data_ptr() + s[block_id].numel() * s.element_size())
+        for s in va.layer_tensors(cache)
+    ]
     return any(lo <= c.src < hi for c in list(transport._queued) for lo, hi in spans)
 
 

@@ -74,6 +74,7 @@ from kvcompat.testkit.adapter.idle import IdleState, idle_state, pinned_cpu_bloc
 from kvcompat.testkit.adapter.kv_cache import (
     group_block_ids,
     kv_cache_block,
+    layer_tensors,
     make_kv_cache_config,
     make_kv_caches,
     resolve_kv_cache_layout,
@@ -146,6 +147,7 @@ __all__ = [
     "create_connector",
     "forward_layers",
     "group_block_ids",
+    "layer_tensors",
     "has_offloading_connector",
     "has_simple_cpu_offload",
     "hma_enabled",

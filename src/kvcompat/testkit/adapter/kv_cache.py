@@ -213,6 +213,11 @@ def token_rows(cache: Any, block_id: int, block_size: int) -> list[Any]:
     return [view.select(axis, t) for t in range(block_size)]
 
 
+def layer_tensors(cache: Any) -> list[Any]:
+    """A layer's KV cache as its tensors: the one tensor, or a Mamba layer's states (a list, before 0.33)."""
+    return list(cache) if isinstance(cache, (list, tuple)) else [cache]
+
+
 def group_block_ids(block_ids: Any, group: int = 0) -> list[int]:
     """Block ids of KV-cache group ``group`` from a flat list (<= 0.17) or a
     per-group sequence (0.18.1+)."""

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from kvcompat.testkit.adapter.capabilities import _field_names, has_simple_cpu_offload
+from kvcompat.testkit.adapter.kv_cache import layer_tensors
 
 REAL = "real worker (CUDA transport on CPU)"
 SCRIPTED = "scripted transfers"
@@ -41,7 +42,7 @@ def prepare_offload_worker(rank: Any, transport: Any) -> None:
     or script OffloadingConnector's transfers where that is the child."""
     if has_simple_cpu_offload():
         for cache in rank.kv_caches.values():
-            for tensor in cache if isinstance(cache, (list, tuple)) else [cache]:  # a Mamba layer's states
+            for tensor in layer_tensors(cache):  # a Mamba layer's states, or the one tensor
                 transport.add_gpu_region(tensor)
     else:
         from kvcompat.testkit.adapter import offload_script

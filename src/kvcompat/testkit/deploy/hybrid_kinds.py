@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcompat.testkit.adapter.forward import NULL_BLOCK, AttentionKind, same_bytes
+from kvcompat.testkit.adapter.kv_cache import layer_tensors
 
 
 def cdiv(a: int, b: int) -> int:
@@ -66,8 +67,7 @@ class MambaStateKind:
         ``[conv_state, ssm_state]``, each ``[num_blocks, *shape]``, before)."""
         import torch
 
-        states = cache if isinstance(cache, (list, tuple)) else [cache]
-        return [s[block_id].reshape(-1).view(torch.int8).view(torch.int32) for s in states]
+        return [s[block_id].reshape(-1).view(torch.int8).view(torch.int32) for s in layer_tensors(cache)]
 
     def block(self, cache: Any, block_id: int, block_size: int) -> Any:
         """Block ``block_id``'s state (every state of the layer), as one tensor of int32 words (a copy)."""
