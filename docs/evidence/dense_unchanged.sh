@@ -29,3 +29,4 @@ for nodeid, was, now in diff:
     print(f"    {nodeid}: {was} -> {now}")
 PY
 done
+echo "logs and JSON of both runs: $out"
