@@ -35,6 +35,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from kvcompat import known_bugs
 from kvcompat.errors import KvcompatError
 from kvcompat.outcomes import TestOutcome
 from kvcompat.results import CellResult, TestResult
@@ -306,6 +307,9 @@ class Comparison:
     regressed: list[Change]
     fixed: list[Change]
     unchanged: list[Change]
+    # Green in the base, red in the candidate, and explained by a known vLLM bug of the candidate's release
+    # (kvcompat.known_bugs): listed with the bug, not counted as a regression (as the matrix does).
+    known: list[Change] = dataclasses.field(default_factory=list)
     # The candidate ran no tests where the base did (install, import or test error): the cell-level reason.
     did_not_run: str | None = None
 
@@ -328,11 +332,14 @@ def compare(base: CellResult, candidate: CellResult) -> Comparison:
     """Per test of every suite: green in the base and red (or gone) in the candidate is a regression."""
     b = {t.nodeid: t for t in base.tests}
     c = {t.nodeid: t for t in candidate.tests}
-    regressed, fixed, unchanged = [], [], []
+    regressed, fixed, unchanged, known = [], [], [], []
     for nodeid in sorted(b.keys() | c.keys()):
         bt, ct = b.get(nodeid), c.get(nodeid)
         change = Change(nodeid, _label(bt), _label(ct), suite=(bt or ct).suite)  # type: ignore[union-attr]
-        if _green(bt) and not _green(ct):
+        bug = ct and ct.blocked_by is None and known_bugs.explaining(ct.contract, ct.shape, candidate.cell["vllm"])
+        if _green(bt) and not _green(ct) and bug:
+            known.append(dataclasses.replace(change, message=bug.line()))
+        elif _green(bt) and not _green(ct):
             regressed.append(
                 dataclasses.replace(change, message=ct.message if ct else "the candidate has no such test")
             )
@@ -343,7 +350,7 @@ def compare(base: CellResult, candidate: CellResult) -> Comparison:
     did_not_run = None
     if not candidate.tests and base.tests:
         did_not_run = f"{candidate.outcome.label}: {candidate.detail}"
-    return Comparison(base, candidate, regressed, fixed, unchanged, did_not_run)
+    return Comparison(base, candidate, regressed, fixed, unchanged, known, did_not_run)
 
 
 def _per_suite(r: CellResult) -> str:
@@ -371,6 +378,7 @@ def render_markdown(cmp: Comparison, cand: Candidate, base: str) -> str:
     else:
         head = "**No regression**"
     head += f" · {len(cmp.fixed)} fixed · {len(cmp.unchanged)} unchanged"
+    head += f" · {len(cmp.known)} known vLLM bug{'s' if len(cmp.known) != 1 else ''}" if cmp.known else ""
     lines = [
         f"## kvcompat qualify: {what} against vllm {base}",
         "",
@@ -381,7 +389,8 @@ def render_markdown(cmp: Comparison, cand: Candidate, base: str) -> str:
     ]
     for label, r in (("base", cmp.base), ("candidate", cmp.candidate)):
         torch = r.versions.get("torch", r.cell["torch"])
-        lines.append(f"| {label} | {r.cell['vllm']} | {torch} | {r.outcome.label}: {r.detail} | {_per_suite(r)} |")
+        verdict = known_bugs.judge_result(r).outcome.label
+        lines.append(f"| {label} | {r.cell['vllm']} | {torch} | {verdict}: {r.detail} | {_per_suite(r)} |")
     if cand.changed:
         shown = ", ".join(f"`{c}`" for c in cand.changed[:10]) + (" …" if len(cand.changed) > 10 else "")
         lines += ["", f"Python files laid over the {base} wheel: {shown}"]
@@ -395,6 +404,9 @@ def render_markdown(cmp: Comparison, cand: Candidate, base: str) -> str:
                 *["  " + ln for ln in _first_lines(ch.message).splitlines()],
                 "  ```",
             ]
+    if cmp.known:
+        lines += ["", "### Red on a known vLLM bug (not counted)", ""]
+        lines += [f"- `{ch.name}`: {ch.base} → {ch.candidate}: {ch.message}" for ch in cmp.known]
     if cmp.fixed:
         lines += ["", "### Fixed", ""]
         lines += [f"- `{ch.name}`: {ch.base} → **{ch.candidate}**" for ch in cmp.fixed]

@@ -55,3 +55,80 @@ def test_an_entry_explains_its_contract_in_its_shapes_and_releases_only():
 def test_a_malformed_entry_is_named(text, says):
     with pytest.raises(known_bugs.KnownBugsError, match=says):
         known_bugs.parse(text)
+
+
+def _t(name: str, outcome: str, shape: str | None = "hybrid", **kw):
+    from kvcompat.outcomes import TestOutcome
+    from kvcompat.results import TestResult
+
+    return TestResult(f"tests/connectors/t.py::{name}[{shape}]", TestOutcome(outcome), 0.1, "boom", shape=shape, **kw)
+
+
+def test_a_red_every_entry_explains_is_a_known_bug_and_does_not_fail_the_run():
+    from kvcompat.outcomes import Outcome
+
+    bugs = known_bugs.parse(ENTRY)
+    j = known_bugs.judge(Outcome.TEST_FAIL, [_t("test_x", "failed"), _t("test_y", "passed")], "0.22.1", bugs)
+    assert j.outcome is Outcome.KNOWN_BUG and not j.fails_run
+    assert [b.id for _, b in j.known] == ["b"] and not j.new and not j.gone
+    assert "known vLLM bug b" in j.summary()
+
+
+def test_a_red_no_entry_explains_is_new_and_keeps_its_outcome():
+    from kvcompat.outcomes import Outcome
+
+    bugs = known_bugs.parse(ENTRY)
+    tests = [_t("test_x", "failed"), _t("test_y", "error")]
+    j = known_bugs.judge(Outcome.TEST_FAIL, tests, "0.22.1", bugs)
+    assert j.outcome is Outcome.TEST_FAIL and j.fails_run, "one new red among known ones: the cell stays red"
+    assert [t.contract for t in j.new] == ["test_y"] and "1 new red: test_y" in j.summary()
+    # Outside the entry's range, or in another shape, the same red is new.
+    assert known_bugs.judge(Outcome.TEST_FAIL, [_t("test_x", "failed")], "0.24.0", bugs).new
+    assert known_bugs.judge(Outcome.TEST_FAIL, [_t("test_x", "failed", "dense")], "0.22.1", bugs).new
+
+
+def test_a_known_bug_whose_contract_passes_inside_its_range_did_not_reproduce_and_fails_the_run():
+    from kvcompat.outcomes import Outcome
+
+    bugs = known_bugs.parse(ENTRY)
+    j = known_bugs.judge(Outcome.PASS, [_t("test_x", "passed")], "0.22.1", bugs)
+    assert j.outcome is Outcome.KNOWN_BUG_GONE and j.fails_run and [b.id for b in j.gone] == ["b"]
+    assert "did not reproduce" in j.summary() and "narrow its range" in j.summary()
+    # Not run here, not applicable, or in a shape the entry does not name: nothing to say about the entry.
+    for tests in ([], [_t("test_x", "not_applicable")], [_t("test_x", "passed", "dense")]):
+        assert known_bugs.judge(Outcome.PASS, tests, "0.22.1", bugs).outcome is Outcome.PASS
+    # Outside its range a pass is just a pass.
+    assert known_bugs.judge(Outcome.PASS, [_t("test_x", "passed")], "0.24.0", bugs).outcome is Outcome.PASS
+
+
+def test_blocked_tests_and_cells_that_never_ran_their_tests_are_not_judged():
+    from kvcompat.outcomes import Outcome
+
+    bugs = known_bugs.parse(ENTRY)
+    blocked = _t("test_y", "error", blocked_by="tests/connectors/t.py::test_x")
+    j = known_bugs.judge(Outcome.TEST_FAIL, [_t("test_x", "failed"), blocked], "0.22.1", bugs)
+    assert j.outcome is Outcome.KNOWN_BUG, "a test blocked by a known red follows its blocker"
+    assert known_bugs.judge(Outcome.INSTALL_ERROR, [], "0.22.1", bugs).outcome is Outcome.INSTALL_ERROR
+    assert known_bugs.judge(Outcome.TIMEOUT, [_t("test_x", "failed")], "0.22.1", bugs).fails_run
+
+
+def test_the_fix_release_is_read_off_the_range():
+    (bug,) = known_bugs.parse(ENTRY.replace('fix = "https://github.com/vllm-project/vllm/pull/2"\n', ""))
+    assert bug.fixed_in == "0.24" and "fixed in 0.24" in bug.line()
+    (open_bug,) = known_bugs.parse(ENTRY.replace('">=0.20,<0.24"', '">=0.20"'))
+    assert open_bug.fixed_in is None
+
+
+def test_another_known_bugs_file_is_named_by_the_environment_and_a_missing_one_is_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "bugs.toml"
+    path.write_text(ENTRY)
+    monkeypatch.setenv(known_bugs.DATA_ENV, str(path))
+    known_bugs.known.cache_clear()
+    try:
+        assert [b.id for b in known_bugs.known()] == ["b"]
+        monkeypatch.setenv(known_bugs.DATA_ENV, str(tmp_path / "absent.toml"))
+        known_bugs.known.cache_clear()
+        with pytest.raises(known_bugs.KnownBugsError, match="cannot be read"):
+            known_bugs.known()
+    finally:
+        known_bugs.known.cache_clear()

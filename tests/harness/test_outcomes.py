@@ -33,8 +33,14 @@ def test_only_pass_and_not_applicable_are_green():
     assert {o for o in Outcome if o.is_green} == {Outcome.PASS, Outcome.NOT_APPLICABLE}
 
 
-def test_all_nine_statuses_are_distinct():
-    assert len({o.value for o in Outcome}) == 9
+def test_a_known_bug_is_neither_green_nor_a_failed_run_and_one_that_did_not_reproduce_fails_it():
+    assert not Outcome.KNOWN_BUG.is_green and not Outcome.KNOWN_BUG.fails_run
+    assert not Outcome.KNOWN_BUG_GONE.is_green and Outcome.KNOWN_BUG_GONE.fails_run
+    assert {o for o in Outcome if not o.fails_run} == {Outcome.PASS, Outcome.NOT_APPLICABLE, Outcome.KNOWN_BUG}
+
+
+def test_all_eleven_statuses_are_distinct():
+    assert len({o.value for o in Outcome}) == len({o.label for o in Outcome}) == 11
     assert Outcome.UNSUPPORTED.label == "unsupported" and not Outcome.UNSUPPORTED.is_green
 
 

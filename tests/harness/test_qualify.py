@@ -211,6 +211,29 @@ def test_an_upstream_regression_is_named_with_its_suite():
     )
 
 
+def test_a_red_a_known_vllm_bug_explains_in_the_candidates_release_is_listed_not_counted(tmp_path, monkeypatch):
+    from kvcompat import known_bugs
+
+    bugs = tmp_path / "bugs.toml"
+    bugs.write_text(
+        '[[bug]]\nid = "open"\ntitle = "an open bug"\ncontracts = ["test_k"]\nreleases = ">=0.34.0"\n'
+        'impact = "hang"\nwhere = "K/v1/nixl/pull_scheduler.py 0.34.0 L59"\n'
+    )
+    monkeypatch.setenv(known_bugs.DATA_ENV, str(bugs))
+    known_bugs.known.cache_clear()
+    try:
+        base = result({"t::test_k": P, "t::test_n": P})
+        cand = result({"t::test_k": F, "t::test_n": F}, Outcome.TEST_FAIL)
+        cand.cell = {"vllm": "0.34.1.dev3+g1a2b3c", "torch": "2.14.0"}  # a dev version is inside ">=0.34.0"
+        cmp = q.compare(base, cand)
+        assert [c.nodeid for c in cmp.known] == ["t::test_k"] and [c.nodeid for c in cmp.regressed] == ["t::test_n"]
+        text = q.render_markdown(cmp, q.Candidate(Path("x.whl"), "1", "wheel", Path("x.whl")), "0.34.0")
+        assert "1 contract regressed" in text and "· 1 known vLLM bug" in text
+        assert "known vLLM bug (hang): an open bug" in text
+    finally:
+        known_bugs.known.cache_clear()
+
+
 def test_a_candidate_that_runs_no_tests_is_a_regression():
     cmp = q.compare(result({"a": P}), result({}, Outcome.INSTALL_ERROR))
     assert cmp.did_not_run == "install error: d" and not cmp.ok

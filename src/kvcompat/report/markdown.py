@@ -27,6 +27,8 @@ MARK = {
     Outcome.IMPORT_ERROR: "🟣",
     Outcome.INSTALL_ERROR: "🟣",
     Outcome.UNRESOLVABLE: "⚫",
+    Outcome.KNOWN_BUG: "🔵",
+    Outcome.KNOWN_BUG_GONE: "❗",
 }
 TEST_MARK = {
     TestOutcome.PASSED: "🟢 pass",
@@ -38,6 +40,7 @@ TEST_MARK = {
 # One mark per timeline status, all distinct (the grid's MARK shares colours between kinds of red).
 TIMELINE_MARK = {
     "pass": "🟢",
+    "known bug": "🔵",
     "test fail": "🔴",
     "unsupported": "🟤",
     "test error": "🟠",

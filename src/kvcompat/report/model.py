@@ -75,6 +75,8 @@ class GridCell:
     outcome: Outcome
     detail: str
     tests: list[TestResult]
+    # The suite's outcome read against the known vLLM bugs (``outcome`` is already the judged one).
+    judgement: known_bugs.Judgement | None = None
 
     @property
     def row(self) -> str:
@@ -152,7 +154,8 @@ def grid_cells(result: CellResult) -> list[GridCell]:
             outcome, detail = result.outcome, result.detail
         else:
             outcome, detail = cell_outcome(t.outcome for t in tests), ""
-        out.append(GridCell(result, suite, outcome, detail, tests))
+        judged = known_bugs.judge(outcome, tests, result.cell["vllm"])
+        out.append(GridCell(result, suite, judged.outcome, detail, tests, judged))
     return out
 
 
@@ -393,6 +396,7 @@ def shape_verdicts(gc: GridCell) -> dict[str, ShapeVerdict]:
 # no verdict of its own) the cell's, or that this release's suite did not have the test at all.
 SQUARE_STATUSES = (
     "pass",
+    "known bug",
     "test fail",
     "unsupported",
     "test error",
@@ -410,7 +414,8 @@ _FROM_TEST = {
     TestOutcome.ERROR: "test error",
     TestOutcome.NOT_APPLICABLE: "not applicable",
 }
-BAD_SQUARES = ("test fail", "unsupported", "test error")  # verdicts against the release (as in bisect)
+# Verdicts against the release (as in bisect); a known bug is one of them, explained.
+BAD_SQUARES = ("test fail", "unsupported", "test error", "known bug")
 # The outcome whose colour a square takes: each status but "not run" is an outcome's label.
 SQUARE_OUTCOME: dict[str, Outcome | None] = {
     s: next((o for o in Outcome if o.label == s), None) for s in SQUARE_STATUSES
@@ -516,7 +521,10 @@ def square_for(gc: GridCell, test: TestResult | None) -> Square:
         return Square(outcome.label, gc.detail or gc.result.detail, gc)
     if test is not None:
         message = "" if test.outcome is TestOutcome.PASSED else test.message or ""
-        return Square(_FROM_TEST[test.outcome], message, gc, test.blocked_by)
+        status = _FROM_TEST[test.outcome]
+        if test.blocked_by is None and known_bug(gc, test):
+            status = "known bug"  # red, and explained by a known vLLM bug of this release: never pass
+        return Square(status, message, gc, test.blocked_by)
     if outcome is Outcome.TIMEOUT:
         return Square("timeout", gc.detail or gc.result.detail, gc)
     if not gc.tests:  # the suite collected nothing or crashed before any test

@@ -17,12 +17,15 @@ ANSI = {
     Outcome.IMPORT_ERROR: "35",
     Outcome.INSTALL_ERROR: "35",
     Outcome.UNRESOLVABLE: "90",
+    Outcome.KNOWN_BUG: "34",
+    Outcome.KNOWN_BUG_GONE: "95",
 }
 
 
 # One character per timeline status, all distinct (coloured as model.SQUARE_OUTCOME says).
 GLYPH = {
     "pass": "✓",
+    "known bug": "K",
     "test fail": "F",
     "unsupported": "U",
     "test error": "E",

@@ -35,10 +35,13 @@ COLOURS = {
     Outcome.IMPORT_ERROR: ("#8250df", "#fbefff"),
     Outcome.INSTALL_ERROR: ("#8250df", "#fbefff"),
     Outcome.UNRESOLVABLE: ("#24292f", "#d0d7de"),
+    Outcome.KNOWN_BUG: ("#0969da", "#ddf4ff"),
+    Outcome.KNOWN_BUG_GONE: ("#bf3989", "#ffeff7"),
 }
 # Each timeline status has its own glyph as well as a colour (colours repeat across kinds of red).
 SQUARE = {
     "pass": "✓",
+    "known bug": "K",
     "test fail": "✗",
     "unsupported": "U",
     "test error": "E",
