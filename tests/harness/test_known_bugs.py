@@ -132,3 +132,31 @@ def test_another_known_bugs_file_is_named_by_the_environment_and_a_missing_one_i
             known_bugs.known()
     finally:
         known_bugs.known.cache_clear()
+
+
+def test_the_junit_skips_a_known_red_as_pytest_does_an_xfail_and_fails_an_entry_that_did_not_reproduce(
+    tmp_path, monkeypatch
+):
+    import xml.etree.ElementTree as ET
+
+    from kvcompat.outcomes import Outcome
+    from kvcompat.report.junit import render_junit
+    from kvcompat.report.model import Report
+    from kvcompat.results import CellResult
+
+    bugs = tmp_path / "bugs.toml"
+    bugs.write_text(ENTRY + ENTRY.replace('id = "b"', 'id = "gone"').replace('"test_x"', '"test_y"'))
+    monkeypatch.setenv(known_bugs.DATA_ENV, str(bugs))
+    known_bugs.known.cache_clear()
+    try:
+        tests = [_t("test_x", "failed"), _t("test_y", "passed")]
+        result = CellResult({"id": "c", "vllm": "0.22.1"}, Outcome.TEST_FAIL, "d", tests)
+        root = ET.fromstring(render_junit(Report([result], generated="2026-12-07")))
+    finally:
+        known_bugs.known.cache_clear()
+    (suite,) = root
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("3", "1", "1")
+    (skipped,) = suite.iter("skipped")
+    assert skipped.get("type") == "known-bug" and "known vLLM bug (hang)" in skipped.get("message")
+    (failure,) = suite.iter("failure")
+    assert failure.get("type") == "known-bug-not-reproduced" and "gone" in failure.get("message")
