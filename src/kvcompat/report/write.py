@@ -9,7 +9,7 @@ from kvcompat.report import mutants as mutation
 from kvcompat.report import notrun
 from kvcompat.report.jsonfile import render_json
 from kvcompat.report.junit import render_junit
-from kvcompat.report.markdown import render_markdown
+from kvcompat.report.markdown import LIMIT, fit, render_markdown
 from kvcompat.report.model import Report
 from kvcompat.report.webpage import render_html
 
@@ -23,7 +23,7 @@ def write_reports(
 
     ``mutants`` (results/mutants-*.json, read by kvcompat.report.mutants.load) adds the "Mutation testing" section.
     """
-    md = _after_title(render_markdown(rep), notrun.markdown(rep)) + mutation.render_markdown(mutants or [])
+    md = _markdown(rep, mutants or [])
     paths = {
         out_dir / "compat.json": render_json(rep),
         out_dir / "compat.md": md,
@@ -42,6 +42,24 @@ def write_reports(
         with open(summary_file, "ab") as fh:
             fh.write(data)
     return list(paths)
+
+
+# The mutation section gets at least this much of compat.md, more where the rest of the page leaves room.
+MUTATION_SHARE = 12_000
+
+
+def _markdown(rep: Report, mutants: list[dict]) -> str:
+    """compat.md under markdown.LIMIT in all: the report, the cells not run after its title, the mutation
+    section last, each cut (with a line naming compat.html) where the page would be longer."""
+    not_run = notrun.markdown(rep)
+    if len(not_run) > MUTATION_SHARE:
+        not_run = "\n".join(fit(not_run.splitlines(), MUTATION_SHARE)) + "\n\n"
+    tail = mutation.render_markdown(mutants)
+    body = render_markdown(rep, limit=LIMIT - len(not_run) - min(len(tail), MUTATION_SHARE))
+    if tail:
+        room = LIMIT - len(not_run) - len(body)
+        tail = "\n".join(fit(tail.splitlines(), room)) + "\n" if len(tail) > room else tail
+    return _after_title(body, not_run) + tail
 
 
 # The cells not run (kvcompat.report.notrun) go into each rendering at a fixed landmark, so every
