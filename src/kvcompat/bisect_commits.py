@@ -608,6 +608,7 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
     from kvcompat.sessions import cell_venv, prune_venv
 
     check_options(values)
+    bis.check_test(values.test, root)  # a name no test has is refused before the checkout is read
     repo = open_repo(Path(values.repo))
     state = root / ".kvcompat" / "bisect"
     results_dir = state / "results"

@@ -12,6 +12,7 @@ never counted as good or bad.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import enum
@@ -110,6 +111,62 @@ def releases_between(available: list[Version], good: str, bad: str, *, pre: bool
             )
     out = [v for v in sorted(available) if lo <= v <= hi and (pre or not v.is_prerelease or v in (lo, hi))]
     return [str(v) for v in out]
+
+
+SUITE = "tests/connectors"  # what a bisect step runs (release and commit cells alike: our suite only)
+
+
+def suite_tests(root: Path, suite: str = SUITE) -> list[str]:
+    """The node ids of the suite's tests as pytest writes them (``tests/connectors/test_x.py::test_y``, a
+    class's as ``…::TestX::test_y``), read from the source: what ``--test`` can name, known before any cell."""
+    ids = []
+    for path in sorted((root / suite).rglob("test_*.py")):
+        try:
+            tree = ast.parse(path.read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        rel = path.relative_to(root).as_posix()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test"):
+                ids.append(f"{rel}::{node.name}")
+            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                ids += [
+                    f"{rel}::{node.name}::{m.name}"
+                    for m in node.body
+                    if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef) and m.name.startswith("test")
+                ]
+    return ids
+
+
+def can_match(test: str, ids: list[str]) -> bool:
+    """Whether ``test`` can match a test of ``ids`` as :func:`verdict_for` matches (a node id or a part of one:
+    a test's name, its file, a shape's id inside its [parameters])."""
+    from kvcompat import shapes
+
+    head, bracket, _ = test.partition("[")
+    if bracket:  # NAME[PARAMS] or a node id with its parameters: the part before [ ends a test's id
+        return not head or any(i.endswith(head) for i in ids)
+    return any(test in i for i in ids) or any(test in shape for shape in shapes.BY_ID)
+
+
+def check_test(test: str, root: Path, suite: str = SUITE) -> None:
+    """Refuse, before the first cell, a ``--test`` that names no test of the suite, naming the close ones."""
+    ids = suite_tests(root, suite)
+    if not ids or can_match(test, ids):
+        return
+    names = sorted({i.rsplit("::", 1)[-1] for i in ids})
+    name = test.partition("[")[0].rsplit("::", 1)[-1]
+    words = set(name.split("_")) - {"test", "a", "an", "the", "of", "is", "to", ""}
+
+    def likeness(other: str) -> tuple[int, float]:  # the words it shares with the name given, then spelling
+        return len(words & set(other.split("_"))), difflib.SequenceMatcher(None, name, other).ratio()
+
+    close = sorted(names, key=likeness, reverse=True)[:3]
+    raise BisectError(
+        f"--test {test!r} names no test of {suite} (bisect runs that suite, {len(ids)} test functions, not "
+        "vLLM's own tests); "
+        f"close: {', '.join(close)}; give a test's name, a part of one, or its node id ({suite}/FILE.py::NAME)"
+    )
 
 
 def verdict_for(result: CellResult, test: str) -> Step:

@@ -200,6 +200,7 @@ def list_cells(root: Path, cells: list[Cell]) -> str:
 def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) -> bis.BisectResult:
     """Find the first bad release between ``values.good`` and ``values.bad`` (bad input raises, one line);
     with ``values.find_fix`` the first good release after the bad one."""
+    bis.check_test(values.test, root)  # before the index is asked or a cell runs
     env = values.env or ("today" if values.wheelhouse else "as-released")
     available = index.list_versions(
         values.dist, cache_root=root, index_url=values.index_url, wheelhouse=values.wheelhouse

@@ -101,6 +101,7 @@ def test_bisect_unknown_release(project):
 
 
 def test_bisect_test_id_that_matches_nothing(project):
+    """The name is checked against tests/connectors before the index is asked or a cell is installed."""
     proc = nox(
         project,
         "-s",
@@ -116,8 +117,9 @@ def test_bisect_test_id_that_matches_nothing(project):
         "wheels/house",
     )
     err = one_line_error(proc)
-    assert "--test 'test_no_such_thing' matches no test in vllm-0.0.2" in err  # the bad end runs first
-    assert "use a node id or keyword such as: test_first_wins" in err
+    assert "--test 'test_no_such_thing' names no test of tests/connectors (bisect runs that suite, 1 test" in err
+    assert "close: test_first_wins;" in err
+    assert not (project / ".kvcompat" / "venvs").exists() and not (project / "results").exists()
 
 
 def test_bisect_wheelhouse_that_is_not_a_folder(project):

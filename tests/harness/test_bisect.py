@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 
 import pytest
 from packaging.version import Version
@@ -284,3 +285,85 @@ def test_a_step_without_a_cell_is_skipped_and_not_counted():
     assert res.cells_evaluated == len(calls) - 1
     assert any(line.startswith("[no cell] v0.4.0 (") for line in lines)
     assert [line.split("]")[0] for line in lines if not line.startswith(("[no", " "))][-1] == f"[{len(calls) - 1}/≤5"
+
+
+SUITE = """
+import pytest
+
+def test_first_wins():
+    pass
+
+@pytest.mark.parametrize("shape", ["dense", "hetero-tp-p1d4"])
+def test_read_fills_each_rank(shape):
+    pass
+
+class TestGroup:
+    def test_in_a_class(self):
+        pass
+
+def helper_not_a_test():
+    pass
+"""
+
+
+def suite(tmp_path):
+    (tmp_path / "tests" / "connectors").mkdir(parents=True)
+    (tmp_path / "tests" / "connectors" / "test_a.py").write_text(SUITE)
+    (tmp_path / "tests" / "connectors" / "conftest.py").write_text("def test_not_collected_here(): pass\n")
+    return tmp_path
+
+
+def test_the_suites_tests_are_read_from_its_source(tmp_path):
+    assert bis.suite_tests(suite(tmp_path)) == [
+        "tests/connectors/test_a.py::test_first_wins",
+        "tests/connectors/test_a.py::test_read_fills_each_rank",
+        "tests/connectors/test_a.py::TestGroup::test_in_a_class",
+    ]
+
+
+@pytest.mark.parametrize(
+    "test, ok",
+    [
+        ("test_first_wins", True),
+        ("first_wins", True),  # a part of a name, as verdict_for matches
+        ("tests/connectors/test_a.py::test_read_fills_each_rank", True),
+        ("tests/connectors/test_a.py", True),
+        ("test_read_fills_each_rank[dense]", True),  # with its parameters
+        ("tests/connectors/test_a.py::test_read_fills_each_rank[hetero-tp-p1d4]", True),
+        ("p1d4", True),  # a shape's id is in each shaped test's id
+        ("TestGroup::test_in_a_class", True),
+        ("test_load_delegation", False),
+        ("test_first_win[x]", False),
+        ("helper_not_a_test", False),
+        ("test_not_collected_here", False),
+    ],
+)
+def test_a_test_name_is_checked_against_the_suite(tmp_path, test, ok):
+    root = suite(tmp_path)
+    assert bis.can_match(test, bis.suite_tests(root)) is ok
+    if not ok:
+        with pytest.raises(bis.BisectError, match=re.escape(f"--test '{test}' names no test of tests/connectors")):
+            bis.check_test(test, root)
+
+
+def test_a_name_no_test_has_is_refused_before_the_index_is_asked(tmp_path, monkeypatch):
+    """sessions.bisect checks --test first: nothing is listed, resolved or installed for a name no test has."""
+    from kvcompat import index, sessions
+
+    def no_index(*args, **kwargs):
+        raise AssertionError("the index was asked")
+
+    monkeypatch.setattr(index, "list_versions", no_index)
+    values, _ = options.parse("bisect", ["--test", "test_frist_wins", "--good", "0.0.1", "--bad", "0.0.2"], {})
+    with pytest.raises(bis.BisectError) as err:
+        sessions.bisect(suite(tmp_path), values, say=lambda line: None)
+    assert str(err.value).startswith("--test 'test_frist_wins' names no test of tests/connectors (bisect runs that")
+    assert "close: test_first_wins," in str(err.value)
+
+
+def test_a_commit_bisect_checks_the_name_before_reading_the_checkout(tmp_path):
+    from kvcompat import bisect_commits
+
+    ns = options.parse_bisect(["--repo", str(tmp_path / "no-repo"), "a", "b", "--test", "test_nope"], {})
+    with pytest.raises(bis.BisectError, match="--test 'test_nope' names no test of tests/connectors"):
+        bisect_commits.bisect(suite(tmp_path), ns, say=lambda line: None)
