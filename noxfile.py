@@ -52,7 +52,7 @@ def matrix(session: nox.Session, cell_id: str) -> None:
             session.notify("report", posargs=[])  # the matrix's posargs are for the cells
         result = sessions.run_matrix_cell(ROOT, CELLS[cell_id], opts, progress=session.log, prune=values.prune)
         if session.parallel:
-            sessions.update_report(ROOT, [opts.results_dir])
+            sessions.update_report(ROOT, [opts.results_dir], if_any=True)
     judged = known_bugs.judge_result(result)  # a red every known vLLM bug explains does not fail the run
     if judged.known and not judged.fails_run:
         session.log(f"{judged.outcome.label}: {judged.summary()}")
@@ -73,7 +73,7 @@ def mutants(session: nox.Session) -> None:
         for cell in mutation.select_cells(list(CELLS.values()), values.k):
             mo = mutation.options_for(ROOT, values, pytest_args)
             runs += mutation.run_targets(cell, mo, progress=session.log)
-        sessions.update_report(ROOT, [ROOT / "results"])
+        sessions.update_report(ROOT, [ROOT / "results"], if_any=True)
     bad = [mutation.summary(r) for r in runs if not r.ok]
     if bad:
         session.error("; ".join(bad))

