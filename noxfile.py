@@ -12,7 +12,9 @@ Sessions:
 
 Pick the matrix with KVCOMPAT_MATRIX (a table name in pyproject.toml, or path.toml[:name]),
 cells with nox's -k / -t, e.g. `nox -s matrix -k vllm_0_33_0` or `nox -t vllm-0.32`.
-Every option is in the README's options table (built from kvcompat.options).
+`nox -s SESSION -- --help` prints a session's options (built from kvcompat.options, as docs/options.md is)
+and runs nothing; an argument a session does not take is refused in one line, exit status 2, before
+anything is installed or run.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ with one_line_errors():  # a bad matrix is one line on stderr and exit status 2,
     LISTING, _ = options.parse("matrix", [])  # nox lists sessions first: the cells come from the environment
     CELLS = {cell.id: cell for cell in sessions.matrix_cells(ROOT, LISTING)}
 
+# What follows `--` on nox's command line.  nox builds a session's venv before its body runs, so the two
+# sessions with a venv of their own (tests, lint) get none when the body will only print its help or
+# refuse its arguments: `-- --help` installs nothing anywhere.
+POSARGS = sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv else []
+
 
 # python=False: each cell's venv is kvcompat's own (.kvcompat/venvs/<cell>), built from its lock with uv,
 # so the matrix, bisect and the kvcompat command share it.
@@ -46,7 +53,9 @@ with one_line_errors():  # a bad matrix is one line on stderr and exit status 2,
 def matrix(session: nox.Session, cell_id: str) -> None:
     """Install one cell with uv, run the connector suite in it, write results/<cell-id>.json."""
     with one_line_errors():
-        values, pytest_args = options.parse("matrix", session.posargs, extra_ok=True)
+        # Before anything is installed: --help, or an argument matrix does not take, ends the run in the
+        # first cell (every cell has the same posargs); only the pytest options of options.PYTEST_OPTIONS pass.
+        values, pytest_args = options.parse("matrix", session.posargs)
         opts = sessions.run_options(ROOT, values, pytest_args)
         if not session.parallel:  # under -j each cell updates the report itself (below)
             session.notify("report", posargs=[])  # the matrix's posargs are for the cells
@@ -68,7 +77,7 @@ def mutants(session: nox.Session) -> None:
     from kvcompat.mutation import session as mutation
 
     with one_line_errors():
-        values, pytest_args = options.parse("mutants", session.posargs, extra_ok=True)  # the rest go to pytest
+        values, pytest_args = options.parse("mutants", session.posargs)  # only --deselect passes to pytest
         runs = []
         for cell in mutation.select_cells(list(CELLS.values()), values.k):
             mo = mutation.options_for(ROOT, values, pytest_args)
@@ -85,22 +94,27 @@ def report(session: nox.Session) -> None:
     from kvcompat.report.terminal import print_table
 
     with one_line_errors():
-        values, dirs = options.parse("report", session.posargs, extra_ok=True)
+        values, dirs = options.parse("report", session.posargs)  # no result in the folders: one line, exit 2
         rep, paths = sessions.update_report(ROOT, sessions.report_dirs(ROOT, dirs), summary_file=values.summary_file)
     print_table(rep)
     session.log("wrote " + ", ".join(str(p.relative_to(ROOT)) for p in paths))
 
 
-@nox.session(venv_backend="uv", python=PYTHON)
+@nox.session(venv_backend="uv", python=False if options.wants_help(POSARGS) else PYTHON)
 def tests(session: nox.Session) -> None:
     """The harness's own tests (tests/harness, tests/testkit): no vLLM needed. Fast loop: -- -m "not slow"."""
+    if options.wants_help(session.posargs):  # everything else after -- is pytest's
+        print(options.help_text("tests"), end="")
+        return
     session.install("-e", ".[test]")
     session.run("pytest", *session.posargs)
 
 
-@nox.session(venv_backend="uv", python=PYTHON)
+@nox.session(venv_backend="uv", python=False if POSARGS else PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the project."""
+    with one_line_errors():
+        options.parse("lint", session.posargs)  # it takes none: --help, or one line and exit 2
     session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -126,8 +140,7 @@ def bisect(session: nox.Session) -> None:
 def qualify(session: nox.Session) -> None:
     """A candidate vLLM against its base release: nox -s qualify -- CANDIDATE [--against RELEASE]."""
     with one_line_errors():
-        values, rest = options.parse("qualify", session.posargs, extra_ok=True)
-        values.candidate = options.one_positional(rest, "CANDIDATE", "qualify", "a vllm-*.whl or a vLLM checkout")
+        values, _ = options.parse("qualify", session.posargs)  # values.candidate: the one positional
         code, text = sessions.qualify(ROOT, values, say=session.log)
     print(text, end="")
     if code:
@@ -140,6 +153,7 @@ def ci(session: nox.Session) -> None:
     from kvcompat import ci as pipelines
 
     with one_line_errors():
-        for engine in session.posargs or ["github"]:
+        _, engines = options.parse("ci", session.posargs)
+        for engine in engines or ["github"]:
             path = pipelines.write(engine, ROOT)
             session.log(f"wrote {path.relative_to(ROOT)}")

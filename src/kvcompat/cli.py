@@ -27,7 +27,12 @@ class _Parser(argparse.ArgumentParser):
         raise options.OptionError(f"{message}; see `{self.prog} --help`")
 
 
+VERBS = ("report", "show", "list", "bisect", "qualify")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """kvcompat's parser: each command's help, positionals and options come from kvcompat.options, as the
+    nox session's do (``kvcompat report --help`` and ``nox -s report -- --help`` print the same text)."""
     parser = _Parser(
         prog="kvcompat",
         description="Compatibility of vLLM's MultiConnector(Nixl + CPU offload), per vLLM and torch release.",
@@ -41,54 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    p = sub.add_parser(
-        "report",
-        help="merge result folders into reports/compat.* and print the grid",
-        description="Merge result folders (default: results/) into reports/compat.{md,html,json,xml}.",
-    )
-    p.add_argument("dirs", nargs="*", type=Path, metavar="DIR", help="result folders, from any number of machines")
-    options.add_options(p, "report")
-    p = sub.add_parser(
-        "show",
-        help="one cell's verdict, tests and log tail",
-        description="Show one cell's result: its verdict, every test, installed versions, log tail.",
-    )
-    p.add_argument("cell", metavar="CELL", help="a cell id (results/<CELL>.json) or a unique part of one")
-    p = sub.add_parser(
-        "list",
-        help="the cells of a matrix, with their last verdicts",
-        description="List the cells of a matrix, the nox session that runs each, and its last verdict.",
-    )
-    options.add_options(p, "list")
-    p = sub.add_parser(
-        "bisect",
-        help="find the first release (or with --repo, commit) where a test breaks (or, with --find-fix, is fixed)",
-        description="Binary-search the releases between --good and --bad for the first where --test "
-        "fails (with --find-fix --bad OLD --good NEW: the first where it passes again); each step is a "
-        "matrix cell (same venv, same result cache).  With --repo PATH GOOD BAD: the commits of a vLLM git "
-        "checkout, each laid over the release wheel that has its compiled parts.",
-    )
-    options.add_options(p, "bisect")
-    p.add_argument("refs", nargs="*", metavar="REF", help="with --repo: GOOD BAD, two commits, tags or branches")
-    p = sub.add_parser(
-        "qualify",
-        help="a candidate vLLM (wheel or source checkout) against its base release; exit 1 on a regression",
-        description="Run a candidate vLLM and the release it descends from side by side (the base's matrix "
-        "overrides, the base from cache when unchanged) and say per contract what regressed, what was fixed "
-        "and what is unchanged, as Markdown for a PR comment.  Exit status 1 when anything regressed.",
-    )
-    p.add_argument(
-        "candidate",
-        metavar="CANDIDATE",
-        help="a vllm-*.whl, or a vLLM source checkout (an unpacked sdist will do) whose Python files are laid "
-        "over the base release's wheel",
-    )
-    options.add_options(p, "qualify")
+    for verb in VERBS:
+        spec = options.COMMANDS[verb]
+        options.configure(
+            sub.add_parser(verb, help=spec.summary, **options.parser_kwargs(verb, f"kvcompat {verb}")), verb
+        )
     return parser
 
 
 def run(argv: list[str]) -> int:
-    ns = build_parser().parse_args(argv)
+    ns, extras = build_parser().parse_known_args(argv)
+    options.refuse_extras(ns.command, extras, f"kvcompat {ns.command}")
     root = ns.root.resolve()
     if not (root / "pyproject.toml").is_file():
         raise KvcompatError(
@@ -101,7 +69,7 @@ def run(argv: list[str]) -> int:
     if ns.command == "report":
         from kvcompat.report.terminal import print_table
 
-        dirs = sessions.report_dirs(root, [str(d) for d in ns.dirs])
+        dirs = sessions.report_dirs(root, ns.dirs)
         rep, paths = sessions.update_report(root, dirs, summary_file=ns.summary_file)
         print_table(rep)
         print("wrote " + ", ".join(str(p) for p in paths))

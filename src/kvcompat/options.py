@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import shlex
 from collections.abc import Callable, Mapping
@@ -221,7 +222,14 @@ OPTIONS: tuple[Option, ...] = (
         env="GITHUB_STEP_SUMMARY",
         metavar="FILE",
     ),
-    Option("--test", "the test to bisect: a node id or a keyword of one", ("bisect",), required=True, metavar="T"),
+    Option(
+        "--test",
+        "the test to bisect, of the connector suite (tests/connectors): its name, a part of one, or its node id; "
+        "a name no test has is refused before any cell runs",
+        ("bisect",),
+        required=True,
+        metavar="T",
+    ),
     Option(
         "--good",
         "a release where the test passes (with --find-fix: the newer end; with --repo: a commit, or GOOD)",
@@ -362,24 +370,188 @@ OPTIONS: tuple[Option, ...] = (
 ENV_ALIASES = {"UV_DEFAULT_INDEX": ("UV_INDEX_URL",)}
 
 
+@dataclasses.dataclass(frozen=True)
+class PassThrough:
+    """A pytest option a session hands to the cells' pytest runs as given: the only pytest options it takes.
+
+    The list is short on purpose: each one selects or bounds the tests without changing what a verdict
+    means.  pytest's ``-m`` is not one of them (each suite's run selects its marks with its own ``-m``,
+    which a second one would replace), nor ``-p``, ``-s`` or ``--lf``.
+    """
+
+    flags: tuple[str, ...]
+    help: str
+    commands: tuple[str, ...]
+    metavar: str | None = None  # None: a switch
+
+
+PYTEST_OPTIONS: tuple[PassThrough, ...] = (
+    PassThrough(
+        ("-k",),
+        "pytest's -k: only the tests whose id matches EXPR, e.g. -k hybrid (a shape's id is in each shaped "
+        "test's id); nox's own -k, before --, picks the cells",
+        ("matrix",),
+        "EXPR",
+    ),
+    PassThrough(
+        ("--deselect",),
+        "pytest's --deselect: leave out the test with this node id (give it once per test)",
+        ("matrix", "mutants"),
+        "NODEID",
+    ),
+    PassThrough(("-x", "--exitfirst"), "pytest's -x: stop each suite at its first failing test", ("matrix",)),
+    PassThrough(("--maxfail",), "pytest's --maxfail: stop each suite after N failing tests", ("matrix",), "N"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Positional:
+    dest: str
+    metavar: str
+    nargs: str | None  # argparse's: "*" any number, None exactly one
+    help: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One command: a nox session (``nox -s NAME -- …``) and, where ``verb``, ``kvcompat NAME …`` too.
+
+    Both front doors build their parser (and so their ``--help``) from this and :data:`OPTIONS`.
+    """
+
+    summary: str  # one line: the list of kvcompat's commands
+    description: str
+    positionals: tuple[Positional, ...] = ()
+    epilog: str = "Every option, with its environment variable, is in docs/options.md."
+    nox: bool = True
+    verb: bool = False
+    parsed: bool = True  # False: what follows -- is not ours to parse (tests hands it all to pytest)
+
+
+COMMANDS: dict[str, Command] = {
+    "matrix": Command(
+        "run the cells: install each with uv, run the connector suite in it, write results/<cell>.json",
+        "Install each cell of the matrix with uv, run the connector suite in it and write results/<cell-id>.json; "
+        "then update reports/.  A cell whose lock, suite and Python are unchanged is answered from its result.",
+        epilog="nox picks the cells, before --: nox -s matrix -k vllm_0_33_0, nox -t vllm-0.32, nox -s matrix -j 2; "
+        "KVCOMPAT_MATRIX picks the matrix.  Every option, with its environment variable, is in docs/options.md.",
+    ),
+    "report": Command(
+        "merge result folders into reports/compat.* and print the grid",
+        "Merge result folders (default: results/) into reports/compat.{md,html,json,xml} and print the grid.  "
+        "Folders with no cell result are refused, and reports/ is left as it was.",
+        (Positional("dirs", "DIR", "*", "result folders, from any number of machines (default: results/)"),),
+        verb=True,
+    ),
+    "bisect": Command(
+        "find the first release (or with --repo, commit) where a test breaks (or, with --find-fix, is fixed)",
+        "Binary-search the releases between --good and --bad for the first where --test fails (with --find-fix "
+        "--bad OLD --good NEW: the first where it passes again); each step is a matrix cell (same venv, same "
+        "result cache).  With --repo PATH GOOD BAD: the commits of a vLLM git checkout, each laid over the "
+        "release wheel that has its compiled parts.  --test names a test of the connector suite (tests/connectors), "
+        "checked before any cell runs.",
+        (Positional("refs", "REF", "*", "with --repo: GOOD BAD, two commits, tags or branches"),),
+        verb=True,
+    ),
+    "qualify": Command(
+        "a candidate vLLM (wheel or source checkout) against its base release; exit 1 on a regression",
+        "Run a candidate vLLM and the release it descends from side by side (the base's matrix overrides, the "
+        "base from cache when unchanged) and say per contract what regressed, what was fixed and what is "
+        "unchanged, as Markdown for a PR comment.  Exit status 1 when anything regressed.",
+        (
+            Positional(
+                "candidate",
+                "CANDIDATE",
+                None,
+                "a vllm-*.whl, or a vLLM source checkout (an unpacked sdist will do) whose Python files are laid "
+                "over the base release's wheel",
+            ),
+        ),
+        verb=True,
+    ),
+    "mutants": Command(
+        "mutation testing of the suite: mutants of a cell's vLLM files, killed or survived",
+        "Mutate a cell's vLLM files (--target: multi_connector.py by default), run the suite against each "
+        "mutant in the cell's own copy of its venv, and write results/mutants-<cell>.json: killed or survived.",
+        epilog="The cells are picked after --, with -k (nox -s mutants -- -k vllm_0_33_0); an expression that "
+        "matches no cell is an error.  Every option, with its environment variable, is in docs/options.md.",
+    ),
+    "ci": Command(
+        "write a CI pipeline that runs one job per cell",
+        "Write a CI pipeline that lists the cells with nox -l --json at run time, runs one job per cell and a "
+        "last job that merges their results with nox -s report.",
+        (Positional("engines", "ENGINE", "*", "github (.github/workflows/kvcompat.yml; the default) or buildkite"),),
+        epilog="docs/scaling-out.md tells what each pipeline does.",
+    ),
+    "tests": Command(
+        "the harness's own tests (no vLLM needed)",
+        "Run the harness's own tests (tests/harness, tests/testkit) with pytest in the session's venv; no vLLM "
+        "needed.  Everything after -- goes to pytest as given (pytest's own help: .nox/tests/bin/python -m "
+        "pytest --help).",
+        (
+            Positional(
+                "args", "PYTEST_ARGS", "*", 'pytest arguments, e.g. -m "not slow" (the fast loop) or a test file'
+            ),
+        ),
+        epilog="",
+        parsed=False,
+    ),
+    "lint": Command(
+        "ruff check and ruff format --check over the project",
+        "Run ruff check and ruff format --check over the project.  It takes no arguments.",
+        epilog="",
+    ),
+    "list": Command(
+        "the cells of a matrix, with their last verdicts",
+        "List the cells of a matrix, the nox session that runs each, and its last verdict.",
+        nox=False,
+        verb=True,
+    ),
+    "show": Command(
+        "one cell's verdict, tests and log tail",
+        "Show one cell's result: its verdict, every test, installed versions, log tail.",
+        (Positional("cell", "CELL", None, "a cell id (results/<CELL>.json) or a unique part of one"),),
+        nox=False,
+        verb=True,
+    ),
+}
+HELP_FLAGS = ("-h", "--help")
+
+
 def options_for(command: str) -> list[Option]:
     return [o for o in OPTIONS if command in o.commands]
 
 
+def passes_for(command: str) -> list[PassThrough]:
+    return [p for p in PYTEST_OPTIONS if command in p.commands]
+
+
 def usage(command: str, prog: str) -> str:
-    """One usage line for ``command`` built from the table."""
+    """One usage line for ``command`` built from the tables."""
     parts = []
     for o in options_for(command):
         token = o.flag if o.switch else f"{o.flag} {o.metavar}"
         parts.append(token if o.required else f"[{token}]")
-    return f"{prog} " + " ".join(parts)
+    for p in passes_for(command):
+        parts.append(f"[{p.flags[0]}{'' if p.metavar is None else ' ' + p.metavar}]")
+    for pos in COMMANDS[command].positionals if command in COMMANDS else ():
+        parts.append(pos.metavar if pos.nargs is None else f"[{pos.metavar}…]")
+    return " ".join([prog, *parts])
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that raises :class:`OptionError` (one line, exit 2 at the edge) instead of exiting."""
 
     def error(self, message: str):  # type: ignore[override]
-        raise OptionError(f"{message}; usage: {self.usage}")
+        raise OptionError(f"{message}; see `{self.prog} --help`")
+
+
+class _PassThrough(argparse.Action):
+    """Keeps a pass-through pytest option, in the order given, in ``pytest_args``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ARG002
+        given = [option_string] if self.nargs == 0 else [option_string, values]
+        namespace.pytest_args = [*(getattr(namespace, "pytest_args", None) or []), *given]
 
 
 def add_options(parser: argparse.ArgumentParser, command: str) -> None:
@@ -390,9 +562,81 @@ def add_options(parser: argparse.ArgumentParser, command: str) -> None:
         else:
             extra = f" (default {o.default})" if o.default not in (None, ()) else ""
             env = f"; env {o.env}" if o.env else ""
+            if o.listing and command in COMMANDS and COMMANDS[command].nox:
+                env += " (under nox the only way: nox picks the cells before a session runs)"
             parser.add_argument(
                 o.flag, dest=o.dest, metavar=o.metavar, default=None, choices=o.choices, help=o.help + extra + env
             )
+    passes = passes_for(command)
+    if passes:
+        group = parser.add_argument_group(
+            "pytest options passed through",
+            "to every suite the cell runs; no other argument reaches pytest",
+        )
+        for p in passes:
+            group.add_argument(
+                *p.flags,
+                action=_PassThrough,
+                dest="pytest_args",
+                nargs=0 if p.metavar is None else None,
+                metavar=p.metavar,
+                default=argparse.SUPPRESS,
+                help=p.help,
+            )
+
+
+def configure(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """Give ``parser`` (made with :func:`parser_kwargs`) ``command``'s positionals and options."""
+    for pos in COMMANDS[command].positionals:
+        nargs = {} if pos.nargs is None else {"nargs": pos.nargs}
+        parser.add_argument(pos.dest, metavar=pos.metavar, help=pos.help, **nargs)
+    add_options(parser, command)
+    return parser
+
+
+def parser_kwargs(command: str, prog: str) -> dict[str, Any]:
+    """The keyword arguments of ``command``'s parser: the same for ``nox -s NAME --`` and ``kvcompat NAME``."""
+    spec = COMMANDS[command]
+    return {
+        "prog": prog,
+        "usage": usage(command, prog),
+        "description": spec.description,
+        "epilog": spec.epilog or None,
+        "allow_abbrev": False,
+    }
+
+
+def command_parser(command: str, prog: str | None = None) -> argparse.ArgumentParser:
+    return configure(_Parser(**parser_kwargs(command, prog or _prog(command))), command)
+
+
+def help_text(command: str, prog: str | None = None) -> str:
+    """``command``'s ``--help``: what ``nox -s NAME -- --help`` and ``kvcompat NAME --help`` print."""
+    return command_parser(command, prog).format_help()
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(a in HELP_FLAGS for a in argv)
+
+
+def refuse_extras(command: str, extras: list[str], prog: str) -> None:
+    """Refuse, in one line naming the fix, the first argument ``command``'s parser did not take."""
+    if not extras:
+        return
+    see = f"see `{prog} --help`"
+    passes = passes_for(command)
+    passing = f"{command} passes only {', '.join('/'.join(p.flags) for p in passes)} of pytest's options through"
+    flags = [a for a in extras if a.startswith("-") and a != "-"]
+    if not flags:
+        takes = " ".join(p.metavar for p in COMMANDS[command].positionals)
+        what = f"takes {takes}, not {extras[0]!r}" if takes else f"takes no positional argument ({extras[0]!r})"
+        raise OptionError(f"{command} {what}" + (f"; {passing}" if passes else "") + f"; {see}")
+    flag = flags[0].split("=", 1)[0]
+    known = [o.flag for o in options_for(command)] + [f for p in passes for f in p.flags]
+    close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+    if close:
+        raise OptionError(f"{command} takes no option {flag} (did you mean {close[0]}?); {see}")
+    raise OptionError(f"{command} takes no option {flag}" + (f"; {passing}" if passes else "") + f"; {see}")
 
 
 def finish(
@@ -425,19 +669,26 @@ def finish(
 
 
 def _prog(command: str) -> str:
-    return f"nox -s {command} --"
+    """How ``command`` is run: its nox session, or the ``kvcompat`` command for those that have no session."""
+    return f"nox -s {command} --" if command not in COMMANDS or COMMANDS[command].nox else f"kvcompat {command}"
 
 
 def parse(
-    command: str, argv: list[str], environ: Mapping[str, str] | None = None, *, extra_ok: bool = False
+    command: str, argv: list[str], environ: Mapping[str, str] | None = None
 ) -> tuple[argparse.Namespace, list[str]]:
-    """Parse a nox session's posargs for ``command``; with ``extra_ok`` unknown arguments are returned (pytest's)."""
-    parser = _Parser(prog=_prog(command), add_help=False, allow_abbrev=False, usage=usage(command, _prog(command)))
-    add_options(parser, command)
-    if extra_ok:
-        ns, rest = parser.parse_known_args(argv)
-    else:
-        ns, rest = parser.parse_args(argv), []
+    """Parse a nox session's posargs for ``command``: its values, and the rest, which is the pytest options it
+    passes through (matrix, mutants) or its positional arguments (report's folders, qualify's candidate).
+
+    ``-h``/``--help`` prints :func:`help_text` and exits 0; an argument ``command`` does not take is one
+    :class:`OptionError` naming the fix, raised before anything runs.
+    """
+    parser = command_parser(command)
+    ns, extras = parser.parse_known_intermixed_args(argv)
+    refuse_extras(command, extras, parser.prog)
+    rest: list[str] = list(getattr(ns, "pytest_args", None) or [])
+    for pos in COMMANDS[command].positionals:
+        value = getattr(ns, pos.dest)
+        rest += value if isinstance(value, list) else [value]
     return finish(ns, command, os.environ if environ is None else environ, nox_session=True), rest
 
 
@@ -460,22 +711,12 @@ def take_refs(ns: argparse.Namespace, refs: list[str]) -> argparse.Namespace:
 
 def parse_bisect(argv: list[str], environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     """``nox -s bisect --`` arguments: the options, and with ``--repo PATH`` the two positional commits."""
-    prog = _prog("bisect")
-    parser = _Parser(prog=prog, add_help=False, allow_abbrev=False, usage=usage("bisect", prog) + " [GOOD BAD]")
-    add_options(parser, "bisect")
-    parser.add_argument("refs", nargs="*")
-    ns = parser.parse_intermixed_args(argv)
+    parser = command_parser("bisect")
+    ns, extras = parser.parse_known_intermixed_args(argv)
+    refuse_extras("bisect", extras, parser.prog)
     take_refs(ns, ns.refs)
     del ns.refs
     return finish(ns, "bisect", os.environ if environ is None else environ, nox_session=True)
-
-
-def one_positional(rest: list[str], name: str, command: str, what: str) -> str:
-    """The one positional argument a session takes after ``--``; anything else is bad input."""
-    if len(rest) != 1 or rest[0].startswith("-"):
-        got = f"got {' '.join(rest)!r}" if rest else "got none"
-        raise OptionError(f"{command} takes one {name} ({what}), {got}; usage: {usage(command, _prog(command))} {name}")
-    return rest[0]
 
 
 def command_line(command: str, values: Mapping[str, Any], prog: str | None = None) -> str:
@@ -528,4 +769,15 @@ def markdown_table() -> str:
         default = "" if o.default in (None, (), False) else f"`{o.default}`"
         env = f"`{o.env}`" + (" (the only way under nox)" if o.listing else "") if o.env else ""
         rows.append(f"| `{cell(flag)}` | {', '.join(o.commands)} | {default} | {env} | {cell(o.help)} |")
+    rows += [
+        "",
+        "The pytest options passed through to the cells' pytest runs; no other argument after `--` reaches pytest "
+        "(`nox -s tests -- …` is the one session that hands pytest everything):",
+        "",
+        "| pytest option | commands | what it does |",
+        "|---|---|---|",
+    ]
+    for p in PYTEST_OPTIONS:
+        flags = ", ".join(f"`{f}{'' if p.metavar is None else ' ' + p.metavar}`" for f in p.flags)
+        rows.append(f"| {flags} | {', '.join(p.commands)} | {cell(p.help)} |")
     return "\n".join(rows)

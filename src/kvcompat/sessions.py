@@ -163,12 +163,11 @@ def _warn(line: str) -> None:
 
 
 def report_dirs(root: Path, args: list[str]) -> list[Path]:
-    """The result folders named in ``args`` (default: results/); anything else is bad input."""
+    """The result folders named in ``args`` (default: results/); a name that is not a folder is bad input."""
     for arg in args:
         if not Path(arg).is_dir():
-            hint = "it is an option report does not take" if arg.startswith("-") else "it is not a folder"
             raise KvcompatError(
-                f"report takes folders of results/*.json, and {arg!r}: {hint}; "
+                f"report takes folders of results/*.json, and {arg!r}: it is not a folder; "
                 "e.g. `nox -s report -- results/ other-machine/results/`"
             )
     return [Path(a) for a in args] or [root / "results"]

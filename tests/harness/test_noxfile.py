@@ -1,10 +1,14 @@
-"""The noxfile as the front door: cells listed as sessions, bad matrices rejected in one line."""
+"""The noxfile as the front door: cells listed as sessions, bad matrices rejected in one line, each session's
+--help printed without running anything."""
 
 import json
+import os
 
 import pytest
 
-from helpers import REPO, run_nox
+from kvcompat import options
+
+from helpers import REPO, build_project, run_nox
 
 pytestmark = pytest.mark.slow  # lists sessions with real nox; resolving 0.33.0's torch pin asks the real index
 
@@ -52,3 +56,32 @@ def test_bisect_bad_input_is_one_line_exit_2():
     proc = nox("-s", "bisect", "--", "--test", "test_x", "--good", "0.33.0")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "kvcompat: error: the following arguments are required: --bad" in proc.stderr
+
+
+SESSIONS = ("matrix", "report", "bisect", "qualify", "mutants", "ci", "tests", "lint")
+
+
+def files(root):
+    """Every file and folder under ``root`` (not through links), with its size and modification time."""
+    found = {}
+    for base, dirs, names in os.walk(root):
+        for name in dirs + names:
+            path = os.path.join(base, name)
+            st = os.lstat(path)
+            found[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+@pytest.mark.parametrize("session", SESSIONS)
+def test_help_after_the_dashes_prints_the_sessions_options_and_changes_nothing(tmp_path, monkeypatch, session):
+    """`nox -s SESSION -- --help`: the session's options (kvcompat.options' text), exit 0, and no venv made,
+    nothing installed, run or written (tests and lint, which have venvs of their own, included)."""
+    project = build_project(tmp_path / "proj", "def test_first_wins():\n    pass\n")
+    assert run_nox(project, "-l").returncode == 0  # listing the cells caches their resolution: before the snapshot
+    before = files(project)
+    monkeypatch.setenv("COLUMNS", "100")
+    proc = run_nox(project, "-s", session, "--", "--help", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout == options.help_text(session)
+    assert "kvcompat: error" not in proc.stderr and "Traceback" not in proc.stderr
+    assert files(project) == before

@@ -16,13 +16,13 @@ def test_environment_fills_what_the_command_line_leaves_out():
         "UV_INDEX_URL": "https://mirror.example/simple/",
         "KVCOMPAT_UPSTREAM_INDEX": "https://sdists.example/simple",
     }
-    values, rest = options.parse("matrix", ["--timeout=60", "-k", "load"], env, extra_ok=True)
-    assert rest == ["-k", "load"]  # pytest's arguments pass through, in order
+    values, rest = options.parse("matrix", ["--timeout=60", "-k", "load"], env)
+    assert rest == ["-k", "load"]  # the pytest options matrix passes through, in order
     assert values.timeout == 60.0 and values.find_links == ("/w1", "/w2")
     assert values.index_url == "https://mirror.example/simple"  # uv's older spelling counts too
     opts = sessions.run_options(REPO, values, rest)
     assert opts.upstream_index == "https://sdists.example/simple" and opts.pytest_args == ("-k", "load")
-    values, _ = options.parse("matrix", [], {"UV_DEFAULT_INDEX": "https://a.example/simple"}, extra_ok=True)
+    values, _ = options.parse("matrix", [], {"UV_DEFAULT_INDEX": "https://a.example/simple"})
     assert (
         sessions.run_options(REPO, values, []).upstream_index == "https://a.example/simple"
     )  # falls back to the index
@@ -37,7 +37,7 @@ def test_the_command_line_wins_over_the_environment():
 
 def test_an_option_that_picks_cells_is_refused_as_a_session_argument():
     with pytest.raises(OptionError, match=r"--matrix picks the cells before nox runs a session; set KVCOMPAT_MATRIX"):
-        options.parse("matrix", ["--matrix", "releases"], {}, extra_ok=True)
+        options.parse("matrix", ["--matrix", "releases"], {})
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,7 @@ def test_an_option_that_picks_cells_is_refused_as_a_session_argument():
 )
 def test_bad_values_name_the_fix(argv, needle):
     with pytest.raises(OptionError) as err:
-        options.parse("matrix", argv, {}, extra_ok=True)
+        options.parse("matrix", argv, {})
     assert str(err.value) == needle
 
 
@@ -101,3 +101,85 @@ def test_the_options_table_is_regenerated_between_its_markers_only(tmp_path):
     page.write_text("# Options\n\nno markers\n")
     with pytest.raises(ValueError, match="needs one"):
         options.write_docs_table(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "command, argv, message",
+    [
+        (
+            "matrix",
+            ["--froce"],
+            "matrix takes no option --froce (did you mean --force?); see `nox -s matrix -- --help`",
+        ),
+        ("matrix", ["--timout=60"], "matrix takes no option --timout (did you mean --timeout?)"),
+        (
+            "matrix",
+            ["--lf"],
+            "matrix takes no option --lf; matrix passes only -k, --deselect, -x/--exitfirst, --maxfail of pytest's "
+            "options through; see `nox -s matrix -- --help`",
+        ),
+        ("matrix", ["-m", "gpu"], "matrix takes no option -m; matrix passes only -k, --deselect"),
+        (
+            "matrix",
+            ["tests/connectors/test_x.py"],
+            "matrix takes no positional argument ('tests/connectors/test_x.py')",
+        ),
+        ("mutants", ["-x"], "mutants takes no option -x; mutants passes only --deselect of pytest's options through"),
+        ("report", ["--frobnicate"], "report takes no option --frobnicate; see `nox -s report -- --help`"),
+        ("qualify", [], "the following arguments are required: CANDIDATE; see `nox -s qualify -- --help`"),
+        ("qualify", ["a.whl", "b.whl"], "qualify takes CANDIDATE, not 'b.whl'"),
+        ("lint", ["--fix"], "lint takes no option --fix; see `nox -s lint -- --help`"),
+        ("lint", ["src"], "lint takes no positional argument ('src')"),
+        ("ci", ["--froce"], "ci takes no option --froce"),
+    ],
+)
+def test_an_argument_a_session_does_not_take_is_one_line_naming_the_fix(command, argv, message):
+    with pytest.raises(OptionError) as err:
+        options.parse(command, argv, {})
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bisect_refuses_a_misspelt_option_before_anything_runs():
+    with pytest.raises(OptionError, match=r"bisect takes no option --tset \(did you mean --test\?\)"):
+        options.parse_bisect(["--tset", "t", "--good", "0.1.0", "--bad", "0.2.0"], {})
+
+
+def test_only_the_allowed_pytest_options_pass_through_in_order():
+    argv = ["--deselect=tests/connectors/a.py::t", "-x", "--force", "-kload", "--maxfail", "2", "--exitfirst"]
+    values, rest = options.parse("matrix", argv, {})
+    assert values.force is True
+    assert rest == ["--deselect", "tests/connectors/a.py::t", "-x", "-k", "load", "--maxfail", "2", "--exitfirst"]
+    _, rest = options.parse("mutants", ["-k", "vllm_0_33_0", "--deselect", "tests/connectors/a.py::t"], {})
+    assert rest == ["--deselect", "tests/connectors/a.py::t"]  # mutants' -k picks cells: it is not pytest's
+
+
+@pytest.mark.parametrize("command", sorted(options.COMMANDS))
+def test_help_is_built_from_the_tables_and_exits_0(command, capsys):
+    text = options.help_text(command)
+    assert text.startswith(f"usage: {options.usage(command, options._prog(command))}\n")
+    for o in options.options_for(command):
+        assert o.flag in text
+    for p in options.passes_for(command):
+        assert all(f in text for f in p.flags)
+    for pos in options.COMMANDS[command].positionals:
+        assert pos.metavar in text
+    if options.COMMANDS[command].parsed and command != "bisect":
+        with pytest.raises(SystemExit) as done:
+            options.parse(command, ["--help"], {})
+        assert done.value.code == 0 and capsys.readouterr().out == text
+    assert options.wants_help(["-k", "x", "--help"]) and not options.wants_help(["-k", "x"])
+
+
+def test_kvcompat_verbs_print_the_sessions_help(monkeypatch, capsys):
+    """`kvcompat report --help` and `nox -s report -- --help` print the same text, the program's name aside."""
+    from kvcompat import cli
+
+    monkeypatch.setenv("COLUMNS", "100")
+    for verb in cli.VERBS:
+        with pytest.raises(SystemExit) as done:
+            cli.main([verb, "--help"])
+        assert done.value.code == 0
+        expected = options.help_text(verb, prog=f"kvcompat {verb}")
+        assert capsys.readouterr().out == expected
+        if options.COMMANDS[verb].nox:
+            assert expected.replace(f"kvcompat {verb}", f"nox -s {verb} --") == options.help_text(verb)
