@@ -1,5 +1,6 @@
 """NixlConnector's own halves under MultiConnector: what the decode side asks for and reads, when the
-prefill side may free, what an abort does, and that nothing leaks.
+prefill side may free, what an abort does, what becomes of a request D cannot read and of an engine whose
+handshake port is taken, and that nothing leaks.
 
 These contracts are about Nixl's scheduler and worker code and the Scheduler's connector paths (the
 MultiConnector contracts are in test_multi_*.py): a regression in ``nixl/`` (or ``nixl_connector.py``)
@@ -13,6 +14,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import socket
+import threading
+import traceback
+from pathlib import Path
 
 import pytest
 
@@ -24,8 +29,10 @@ from kvcompat.testkit.adapter.idle import scheduler_object, worker_object
 from conftest import (
     BLOCK,
     HYBRID,
+    P_ENGINE,
     PD_READ,
     PREFILLED,
+    TRANSFER_WAIT_S,
     assert_blocks_hold_the_prompt,
     assert_no_leak,
     nixl_counted,
@@ -663,3 +670,128 @@ def test_no_leak_check_sees_a_finished_request_still_named_by_a_nixl_worker(engi
     finally:
         del held["ghost"]
     assert not engine.leaks()
+
+
+# ---------------------------------------------------------------------------
+# 5. a decode request whose kv_transfer_params are incomplete
+# ---------------------------------------------------------------------------
+# What D needs to read a remote prefill (vLLM's proxy passes P's answer on): a request that names no peer to
+# read from, or no blocks, cannot be read.
+PEER_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+INCOMPLETE_STEPS = 60  # steps (and TRANSFER_WAIT_S) within which D must be done with such a request
+
+
+def _serve_incomplete(p, d, lacking: tuple[str, ...], start: int) -> tuple[list[str], bool]:
+    """For each field in ``lacking``: P prefills two prompts and D is sent both with P's kv_transfer_params less
+    that field (do_remote_prefill still set); D steps once, the second is aborted, then D and P step until the
+    first has ended and the aborted one is gone (a bounded number of steps).  What went wrong (fields that went
+    wrong alike in one phrase), and whether a step of D raised (D's engine core dies with it: the scenario ends)."""
+    from vllm.v1.request import RequestStatus
+
+    left, aborted = {}, {}
+    for n, field in enumerate(lacking):
+        for m, (kind, into) in enumerate((("left", left), ("aborted", aborted))):
+            rid, prompt = f"lacking-{field}-{kind}", token_ids(2 * BLOCK + 3, start=start + 80 * n + 40 * m)
+            with setup_owned_by(PREFILLED):
+                params = p.prefill(rid, prompt)
+            req = va.make_request(
+                rid, prompt, max_tokens=2, kv_transfer_params={k: v for k, v in params.items() if k != field}
+            )
+            d.scheduler.add_request(req)
+            into[field] = req
+
+    def over() -> bool:
+        return all(r.is_finished() for r in left.values()) and not any(
+            r.request_id in d.scheduler.requests for r in aborted.values()
+        )
+
+    try:
+        d.step()
+        d.scheduler.finish_requests([r.request_id for r in aborted.values()], RequestStatus.FINISHED_ABORTED)
+        step_until([d, p], over, max_steps=INCOMPLETE_STEPS)
+    except Exception as exc:  # a step that raises is the finding: D's engine core dies with it
+        at = traceback.extract_tb(exc.__traceback__)[-1]
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        raised = f"{type(exc).__name__}({message!r}) at {Path(at.filename).name}:{at.lineno}"
+        return [f"lacking {', '.join(lacking)}: D's engine step raised {raised}"], True
+    wrong: dict[str, list[str]] = {}  # what went wrong -> the fields it went wrong for
+    for field in lacking:
+        what = []
+        if not left[field].is_finished():
+            what.append(
+                f"left alone, still {left[field].status.name} after {INCOMPLETE_STEPS} steps (it waits forever)"
+            )
+        rid = aborted[field].request_id
+        if rid in d.scheduler.requests:
+            held = len(va.group_block_ids(d.scheduler.kv_cache_manager.get_block_ids(rid)))
+            what.append(f"aborted, still held by D's scheduler with its {held} blocks")
+        if what:
+            wrong.setdefault("; ".join(what), []).append(field)
+    return [f"lacking {', '.join(fields)}: {what}" for what, fields in wrong.items()], False
+
+
+def test_a_remote_prefill_with_incomplete_kv_transfer_params_fails_and_its_abort_releases_everything(
+    make_pd, nixl_agent, monkeypatch
+):
+    """D is sent a remote prefill (do_remote_prefill) whose kv_transfer_params lack a field D needs to read it
+    (P's engine id, its request id, its host or port; or the blocks): a proxy that lost a field, a client that
+    sent its own.  D cannot read such a request, so the user expects it refused, failed with a clear error or
+    computed locally, never left waiting for KV that no read will bring: left alone, it ends within a bounded
+    number of steps; aborted while D holds it, D lets go of it and of its blocks.  Nothing leaks on either
+    engine once P's lease on the blocks nobody read has run out (on the release's clock)."""
+    lease_s = 2
+    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
+    clock = nixl_clock.install(monkeypatch)
+    found, crashed = _serve_incomplete(p, d, PEER_FIELDS, start=4000)
+    if not crashed:
+        found += _serve_incomplete(p, d, ("remote_block_ids",), start=4400)[0]
+    assert not found, "D's remote prefills with incomplete kv_transfer_params: " + " | ".join(found)
+    clock.advance(lease_s + 0.5)
+    assert step_until([d, p], lambda: not p.scheduler.requests), (
+        f"P still holds {sorted(p.scheduler.requests)} past its {lease_s}s lease"
+    )
+    assert_no_leak(p, d)
+
+
+# ---------------------------------------------------------------------------
+# 6. a prefill engine whose NIXL side-channel port is taken
+# ---------------------------------------------------------------------------
+def test_an_engine_whose_nixl_side_channel_port_is_taken_fails_at_start_naming_the_port(make_engine, nixl_agent):
+    """The port a prefill engine's Nixl child serves its handshake on (VLLM_NIXL_SIDE_CHANNEL_PORT) is already
+    taken, by another engine or a process left over.  The user expects the engine's start (EngineCore handing the
+    workers' handshake metadata to the scheduler's connector, which starts Nixl's listener there) to fail with an
+    error that names the port, never to hang.  The start runs in a thread joined after TRANSFER_WAIT_S (a start
+    that hangs stays blocked in that daemon thread).  No engine comes up, so there is no idle baseline to settle to."""
+    p = make_engine(engine_id=P_ENGINE, side="prefill")
+    if not any(hasattr(p.multi, m) for m in ("set_xfer_handshake_metadata", "set_xfer_handshake_metadata_pp_aware")):
+        not_applicable("in this release the Nixl worker serves the handshake itself, not the scheduler's connector")
+    nixl = scheduler_object(p.nixl)
+    host, port = nixl.side_channel_host, nixl.side_channel_port
+    started: dict[str, BaseException | None] = {}
+
+    def start() -> None:
+        try:
+            va.serve_nixl_handshake(p.multi, *(r.connector for r in p.ranks))
+        except BaseException as exc:  # what the start raised is the verdict
+            started["error"] = exc
+        else:
+            started["error"] = None
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind((host, port))
+        taken.listen()
+        starting = threading.Thread(target=start, name="kvcompat-engine-start", daemon=True)
+        starting.start()
+        starting.join(TRANSFER_WAIT_S)
+    assert not starting.is_alive(), (
+        f"the engine's start hung on its taken NIXL side-channel port {port}: no error after {TRANSFER_WAIT_S:.0f}s"
+    )
+    error = started["error"]
+    assert error is not None, f"the engine started though its NIXL side-channel port {port} was taken"
+    told = []  # what the user reads: the error and the ones it was raised from
+    while error is not None and len(told) < 5:
+        told.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    assert any(str(port) in t for t in told), (
+        f"the engine failed to start on its taken port {port} with no word of it: {' <- '.join(told)}"
+    )
