@@ -163,7 +163,7 @@ def check_test(test: str, root: Path, suite: str = SUITE) -> None:
 
     close = sorted(names, key=likeness, reverse=True)[:3]
     raise BisectError(
-        f"--test {test!r} names no test of {suite} (bisect runs that suite, {len(ids)} test functions, not "
+        f"--test {test!r} names no test of {suite} (bisect runs that suite, {len(ids)} test function{'s' if len(ids) != 1 else ''}, not "
         "vLLM's own tests); "
         f"close: {', '.join(close)}; give a test's name, a part of one, or its node id ({suite}/FILE.py::NAME)"
     )
