@@ -3,6 +3,7 @@ link opens its drill-down with the failing test's message, the installed version
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -176,3 +177,59 @@ def test_history_timeline_renders_and_its_squares_open_the_drilldown(tmp_path):
     shot = tmp_path / "timeline.png"
     chromium(f"--screenshot={shot}", "--window-size=1400,900", page.as_uri(), tmp_path=tmp_path)
     assert shot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("panel", "says"),
+    [
+        (
+            "d-vllm-0_34_0__torch-2_14_0__override-flashinfer-python-0_7_4__ours",
+            "load error never reached the scheduler",
+        ),
+        ("d-vllm-0_33_0__torch-2_14_0__ours", "the CPU tier serves 0 tokens of A"),
+    ],
+)
+def test_a_red_cells_drawer_shows_its_message_without_scrolling(tmp_path, monkeypatch, panel, says):
+    """The default matrix with a new red beside the known bug, on a laptop-sized window: the red (and the
+    known-bug) square's drawer opens with the failing test's message in view, the drawer not scrolled."""
+    from test_report import LRU_BUG, NEW_RED, default_matrix
+
+    from kvcompat import known_bugs
+
+    bugs = tmp_path / "bugs.toml"
+    bugs.write_text(LRU_BUG)
+    monkeypatch.setenv(known_bugs.DATA_ENV, str(bugs))
+    known_bugs.known.cache_clear()
+    try:
+        write_reports(build_report([default_matrix(tmp_path / "results", new_red=NEW_RED)]), tmp_path / "reports")
+    finally:
+        known_bugs.known.cache_clear()
+    page = tmp_path / "reports" / "compat.html"
+    html = page.read_text()
+    assert f'href="#{panel}"' in html  # the grid's square links to the drawer
+    probe = tmp_path / "probe.html"
+    probe.write_text(
+        html.replace(
+            "</body>",
+            """<script>
+      window.addEventListener('load', () => {
+        const p = document.querySelector('.panel:target');
+        const m = p.querySelector('.red .headline');
+        const pre = p.querySelector('.red pre');
+        const box = p.getBoundingClientRect();
+        const inView = (e) => { const b = e.getBoundingClientRect();
+          return b.top >= box.top && b.top < box.bottom && b.bottom <= window.innerHeight; };
+        document.body.setAttribute('data-probe', [
+          'id=' + p.id, 'shown=' + getComputedStyle(p).display, 'scrolled=' + p.scrollTop,
+          'message=' + inView(m), 'full=' + (pre === null || inView(pre)),
+          'text=' + m.innerText.includes(SAYS)].join(';'));
+      });
+    </script></body>""".replace("SAYS", json.dumps(says)),
+        )
+    )
+    dom = chromium("--dump-dom", "--window-size=1280,800", probe.as_uri() + f"#{panel}", tmp_path=tmp_path).stdout
+    assert f'data-probe="id={panel};shown=block;scrolled=0;message=true;full=true;text=true"' in dom, dom[-2000:]
+    if os.environ.get("KVCOMPAT_SCREENSHOT_DIR"):  # keep the picture for a human to look at
+        shot = Path(os.environ["KVCOMPAT_SCREENSHOT_DIR"]) / f"drawer-{panel}.png"
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        chromium(f"--screenshot={shot}", "--window-size=1280,800", page.as_uri() + f"#{panel}", tmp_path=tmp_path)

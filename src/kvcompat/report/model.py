@@ -16,7 +16,9 @@ import datetime as dt
 import json
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from packaging.version import InvalidVersion, Version
 
@@ -26,6 +28,7 @@ from kvcompat.results import CellResult, TestResult, UnreadableResult, count_tes
 from kvcompat.shapes import BY_ID as SHAPES_BY_ID
 from kvcompat.shapes import SHAPES
 
+T = TypeVar("T")
 # The fact (kvcompat.testkit.record_fact) that says which worker the CPU-offload child ran: the real
 # one with its CUDA transport on CPU, or scripted transfers (OffloadingConnector, up to 0.18).
 OFFLOAD_WORKER_FACT = "offload worker"
@@ -202,8 +205,15 @@ class Report:
     def __post_init__(self) -> None:
         self.cells = [gc for r in self.results for gc in grid_cells(r)]
         self.multi_suite = len({gc.suite_label for gc in self.cells}) > 1
-        self._names = _unique_names(self.cells, self.multi_suite)
+        self._names = _unique_names(self.cells)
         self._notes = _footnotes(self.cells)
+        self._memo: dict[str, object] = {}
+
+    def memo(self, key: str, make: Callable[[], T]) -> T:
+        """``make()`` once per report: what several renderers derive from it (the findings, their indexes)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]  # type: ignore[return-value]
 
     @property
     def releases(self) -> list[str]:
@@ -230,7 +240,8 @@ class Report:
         return f"torch {gc.result.cell['torch']}"
 
     def name(self, gc: GridCell) -> str:
-        """``0.34.0 / torch 2.15.0 (override) · ours/fake``: one grid cell, unique in this report."""
+        """``0.34.0 / torch 2.15.0 (override)``, ``0.34.0 / torch 2.14.0 · upstream``: one grid cell, unique in
+        this report (our suite on fake NIXL unlabelled, every other suite named)."""
         return self._names[gc.key]
 
     @property
@@ -247,8 +258,14 @@ class Report:
 
     def square(self, row: str, column: str) -> list[GridCell]:
         """The grid cells of one square: the lead verdict (our suite, fake NIXL) first, then the marks."""
-        here = [gc for gc in self.cells if gc.row == row and self.column(gc) == column]
-        return sorted(here, key=_lead_order)
+
+        def squares() -> dict[tuple[str, str], list[GridCell]]:
+            out: dict[tuple[str, str], list[GridCell]] = defaultdict(list)
+            for gc in sorted(self.cells, key=_lead_order):
+                out[(gc.row, self.column(gc))].append(gc)
+            return out
+
+        return list(self.memo("squares", squares).get((row, column), []))
 
     def at(self, row: str, column: str) -> GridCell | None:
         """The square's lead grid cell (None: nothing of this release ran with this torch)."""
@@ -268,14 +285,30 @@ class Report:
 
     @property
     def test_ids(self) -> list[str]:
-        return sorted({t.nodeid for gc in self.cells for t in gc.tests})
+        return self.memo("test ids", lambda: sorted({t.nodeid for gc in self.cells for t in gc.tests}))
+
+    @property
+    def red_test_ids(self) -> list[str]:
+        """The tests that are red (fail, unsupported, error) in at least one grid cell."""
+        return self.memo(
+            "red test ids", lambda: sorted({t.nodeid for gc in self.cells for t in gc.tests if t.outcome in BAD_TESTS})
+        )
+
+    def test(self, gc: GridCell, nodeid: str) -> TestResult | None:
+        """``gc``'s result of the test ``nodeid`` (None: the grid cell did not run it)."""
+        by_cell = self.memo("tests", lambda: {g.key: {t.nodeid: t for t in g.tests} for g in self.cells})
+        return by_cell[gc.key].get(nodeid)
 
     def totals(self) -> dict[str, int]:
         """Cells per outcome, each cell read against the known bugs (a red they all explain: known bug)."""
-        counts = {o.value: 0 for o in Outcome}
-        for r in self.results:
-            counts[known_bugs.judge_result(r).outcome.value] += 1
-        return counts
+
+        def count() -> dict[str, int]:
+            counts = {o.value: 0 for o in Outcome}
+            for r in self.results:
+                counts[known_bugs.judge_result(r).outcome.value] += 1
+            return counts
+
+        return dict(self.memo("totals", count))
 
     def outcomes(self) -> dict[str, str]:
         """Flat map used to diff two reports: "cell::suite::nodeid" -> test outcome, "cell::suite" -> cell outcome."""
@@ -681,9 +714,9 @@ def _lead_order(gc: GridCell) -> tuple:
     )
 
 
-def _unique_names(cells: list[GridCell], multi_suite: bool) -> dict[str, str]:
+def _unique_names(cells: list[GridCell]) -> dict[str, str]:
     """Each grid cell's name; where two would read the same, the overrides that tell them apart."""
-    names = {gc.key: f"{gc.row} / {gc.torch_label}" + (f" · {gc.suite_label}" if multi_suite else "") for gc in cells}
+    names = {gc.key: f"{gc.row} / {gc.torch_label}" + ("" if gc.is_plain else f" · {gc.suite_label}") for gc in cells}
     seen: dict[str, int] = defaultdict(int)
     for name in names.values():
         seen[name] += 1

@@ -130,7 +130,9 @@ def _why(found: list[why.Finding], html: str, color: bool) -> str:
 def _last_line(rep: Report, found: list[why.Finding], html: str) -> str:
     totals = ", ".join(f"{n} {Outcome(k).label}" for k, n in rep.totals().items() if n)
     failing = sum(f.fails_run for f in found)
-    verdict = f"{failing} square{'s' if failing != 1 else ''} fail the run" if failing else "no new red: the run passes"
+    verdict = (
+        f"{failing} square{'s fail' if failing != 1 else ' fails'} the run" if failing else "no new red: the run passes"
+    )
     return f"== {totals}: {verdict} ({html}) =="
 
 

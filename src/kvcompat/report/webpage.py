@@ -17,7 +17,6 @@ from kvcompat.report import facts as cell_facts
 from kvcompat.report import why
 from kvcompat.report.drift import environment_pairs
 from kvcompat.report.model import (
-    BAD_TESTS,
     SQUARE_OUTCOME,
     GridCell,
     Report,
@@ -112,7 +111,7 @@ table.grid td.cell[data-impact] a.lead{border-left:6px solid var(--impact)}
   overflow:auto;box-shadow:0 8px 24px rgba(0,0,0,.25);z-index:10}
 .panel h3{margin:0 0 8px;font-size:15px}
 .panel .red{border-left:4px solid #cf222e;padding:2px 0 2px 10px;margin:8px 0}
-.panel .red.known{border-left-color:#0969da} .panel .red h4{margin:0 0 4px;word-break:break-all}
+.panel .red.known{border-left-color:#0969da} .panel .red h4{margin:0 0 4px} .panel .red h4 code{word-break:break-all}
 .panel .red .headline{font-weight:600;margin:0 0 4px} .panel .red pre{max-height:220px}
 .panel .next code{background:#f6f8fa;padding:1px 4px;border-radius:3px;user-select:all}
 pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px;white-space:pre-wrap}
@@ -562,15 +561,13 @@ def _how_ran(rep: Report) -> str:
 def _breakdown(rep: Report) -> str:
     if not rep.test_ids:
         return ""
-    red = [
-        t for t in rep.test_ids if any(x.nodeid == t and x.outcome in BAD_TESTS for gc in rep.cells for x in gc.tests)
-    ]
+    red = rep.red_test_ids
     green = len(rep.test_ids) - len(red)
     if not red:
         return (
             f"<h2>Per-test breakdown</h2><p>All {green} tests were green (pass or n/a) in every cell that ran them.</p>"
         )
-    ran = [gc for gc in rep.ordered() if any(t.nodeid in red for t in gc.tests)]
+    ran = [gc for gc in rep.ordered() if any(rep.test(gc, tid) for tid in red)]
     parts = [
         f"<h2>Per-test breakdown</h2><p>The {len(red)} tests that are not green everywhere; the other {green} were "
         "green (pass or n/a) in every cell that ran them (each cell's drawer lists its own).</p>"
@@ -581,7 +578,7 @@ def _breakdown(rep: Report) -> str:
     for tid in red[:BREAKDOWN_ROWS]:
         parts.append(f"<tr><td><code>{escape(short_test(tid))}</code></td>")
         for gc in ran:
-            t = next((t for t in gc.tests if t.nodeid == tid), None)
+            t = rep.test(gc, tid)
             if t is None:
                 parts.append('<td class="small">·</td>')
                 continue

@@ -10,6 +10,7 @@ our suite a ready ``nox -s bisect`` command naming the contract and the releases
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 
 from kvcompat.known_bugs import KnownBug
 from kvcompat.outcomes import Outcome, TestOutcome
@@ -136,6 +137,10 @@ def reds(gc: GridCell) -> list[Red]:
 
 def findings(rep: Report) -> list[Finding]:
     """Every grid cell that is not green, in display order: the run's failures first, then the known bugs."""
+    return rep.memo("findings", lambda: _findings(rep))
+
+
+def _findings(rep: Report) -> list[Finding]:
     out = []
     for gc in rep.ordered():
         if gc.outcome.is_green:
@@ -155,24 +160,15 @@ def bisect_commands(rep: Report, gc: GridCell, test: TestResult) -> list[str]:
     c = gc.result.cell
     if gc.suite != "ours" or c.get("wheel") or test.outcome not in BAD_TESTS:
         return []
+    passed, ambiguous = rep.memo("bisect index", lambda: _bisect_index(rep))
     here = _version_key(c["vllm"])
-    older, newer = [], []
-    for other in rep.cells:
-        oc = other.result.cell
-        if other.suite != "ours" or oc["dist"] != c["dist"] or other.order != gc.order or oc.get("wheel"):
-            continue
-        same = [t for t in other.tests if t.contract == test.contract and t.shape == test.shape and t.has_verdict]
-        if same and all(t.outcome is TestOutcome.PASSED for t in same):
-            key = _version_key(oc["vllm"])
-            (older if key < here else newer if key > here else []).append(oc["vllm"])
-    name = _test_arg(rep, test)
-    flags = ""
-    if c["dist"] != "vllm":
-        flags += f" --dist {c['dist']}"
-    if c.get("torch_override"):
-        flags += f" --torch {c['torch']}"
-    if test.shape:
-        flags += f" --shapes {test.shape}"
+    green = passed.get((c["dist"], gc.order, test.contract, test.shape), set())
+    older = [v for v in green if _version_key(v) < here]
+    newer = [v for v in green if _version_key(v) > here]
+    name = test.nodeid if test.contract in ambiguous else test.contract
+    flags = f" --dist {c['dist']}" if c["dist"] != "vllm" else ""
+    flags += f" --torch {c['torch']}" if c.get("torch_override") else ""
+    flags += f" --shapes {test.shape}" if test.shape else ""
     out = []
     if older or not newer:
         good = max(older, key=_version_key) if older else OLDER
@@ -183,11 +179,26 @@ def bisect_commands(rep: Report, gc: GridCell, test: TestResult) -> list[str]:
     return out
 
 
-def _test_arg(rep: Report, test: TestResult) -> str:
-    """The contract's name, which bisect matches against node ids; the node id where the name alone would
-    also match another contract."""
-    others = {t.nodeid for gc in rep.cells for t in gc.tests if t.contract != test.contract}
-    return test.nodeid if any(test.contract in n for n in others) else test.contract
+def _bisect_index(rep: Report) -> tuple[dict[tuple, set[str]], set[str]]:
+    """Where each contract of our suite passed: (dist, order, contract, shape) -> the releases of this report
+    where every run of it in a cell passed; and the contracts whose name alone would also match another
+    contract's node id (bisect matches ``--test`` as a part of one: those get their node id)."""
+    passed: dict[tuple, set[str]] = defaultdict(set)
+    for gc in rep.cells:
+        c = gc.result.cell
+        if gc.suite != "ours" or c.get("wheel"):
+            continue
+        runs: dict[tuple, list[TestResult]] = defaultdict(list)
+        for t in gc.tests:
+            if t.has_verdict:
+                runs[(c["dist"], gc.order, t.contract, t.shape)].append(t)
+        for key, tests in runs.items():
+            if all(t.outcome is TestOutcome.PASSED for t in tests):
+                passed[key].add(c["vllm"])
+    nodeids = {t.nodeid: t.contract for gc in rep.cells for t in gc.tests}
+    contracts = set(nodeids.values())
+    ambiguous = {c for c in contracts if any(c in n and other != c for n, other in nodeids.items())}
+    return passed, ambiguous
 
 
 def suite_mark(gc: GridCell) -> str:
