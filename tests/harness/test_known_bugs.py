@@ -160,3 +160,20 @@ def test_the_junit_skips_a_known_red_as_pytest_does_an_xfail_and_fails_an_entry_
     assert skipped.get("type") == "known-bug" and "known vLLM bug (hang)" in skipped.get("message")
     (failure,) = suite.iter("failure")
     assert failure.get("type") == "known-bug-not-reproduced" and "gone" in failure.get("message")
+
+
+def test_kvcompat_show_and_list_give_the_judged_status_with_the_bug_beside_its_test(tmp_path):
+    from kvcompat import sessions
+    from kvcompat.outcomes import Outcome
+    from kvcompat.results import CellResult
+
+    lru = "test_a_prompt_in_use_from_the_device_cache_is_evicted_from_the_cpu_tier_after_an_unused_one"
+    result = CellResult(
+        {"id": "vllm-0.33.0", "vllm": "0.33.0"}, Outcome.TEST_FAIL, "1 failed", [_t(lru, "failed", None)]
+    )
+    text = sessions.show(result)
+    first, *rest = text.splitlines()
+    assert first.startswith(
+        "vllm-0.33.0: KNOWN BUG: 1 red explained by known vLLM bug cpu-tier-lru-ignores-device-hits"
+    )
+    assert any("known vLLM bug (efficiency)" in line and "fixed in 0.34.0" in line for line in rest)
