@@ -230,3 +230,19 @@ def judge(
     elif outcome is Outcome.PASS and gone:
         judged = Outcome.KNOWN_BUG_GONE
     return Judgement(judged, tuple(known_reds), tuple(new), tuple(gone))
+
+
+def deselections(node_ids: Iterable[str], release: str, bugs: tuple[KnownBug, ...] | None = None) -> list[str]:
+    """pytest ``--deselect`` prefixes for the tests the known bugs of ``release`` turn red, from the suite's
+    test functions (``node_ids``: ``file::test_name``): a run that needs a green baseline (mutation testing)
+    leaves them out, since a test red by a vLLM bug can tell no mutant apart.  A shaped entry leaves out only its
+    shapes' runs (``file::test[shape``)."""
+    bugs = known() if bugs is None else bugs
+    out: list[str] = []
+    for bug in bugs:
+        if not bug.applies_to(release) or "*" in bug.contracts:
+            continue
+        for node in node_ids:
+            if node.rsplit("::", 1)[-1] in bug.contracts:
+                out += [f"{node}[{shape}" for shape in bug.shapes] if bug.shapes else [node]
+    return list(dict.fromkeys(out))

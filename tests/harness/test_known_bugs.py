@@ -177,3 +177,29 @@ def test_kvcompat_show_and_list_give_the_judged_status_with_the_bug_beside_its_t
         "vllm-0.33.0: KNOWN BUG: 1 red explained by known vLLM bug cpu-tier-lru-ignores-device-hits"
     )
     assert any("known vLLM bug (efficiency)" in line and "fixed in 0.34.0" in line for line in rest)
+
+
+def test_the_tests_a_known_bug_turns_red_are_deselected_from_runs_that_need_a_green_baseline():
+    bugs = known_bugs.parse(ENTRY + ENTRY.replace('id = "b"', 'id = "any"').replace('shapes = ["hybrid"]\n', ""))
+    ids = ["tests/connectors/t.py::test_x", "tests/connectors/t.py::test_y"]
+    assert known_bugs.deselections(ids, "0.22.1", bugs) == ["tests/connectors/t.py::test_x[hybrid", ids[0]]
+    assert known_bugs.deselections(ids, "0.24.0", bugs) == []
+
+
+def test_a_mutation_run_leaves_out_the_known_bugs_of_its_release():
+    from pathlib import Path
+
+    from kvcompat.cells import Cell
+    from kvcompat.mutation import session
+
+    said = []
+    root = Path(__file__).parents[2]
+    here = dict(results_dir=root / "results", home=root / "h", cell_work=root / "w")
+    mo = session.MutationOptions(repo=root, catalogue=root / "x.toml", pytest_args=("-x",), **here)
+    out = session._without_known_bugs(Cell("0.33.0", "2.14.0"), mo, said.append)
+    lru = (
+        "test_cpu_tier.py::test_a_prompt_in_use_from_the_device_cache_is_evicted_from_the_cpu_tier_after_an_unused_one"
+    )
+    assert out.pytest_args[0] == "-x" and f"--deselect=tests/connectors/{lru}" in out.pytest_args
+    assert said and "known vLLM bug of 0.33.0" in said[0]
+    assert session._without_known_bugs(Cell("0.34.0", "2.14.0"), mo, said.append).pytest_args != mo.pytest_args

@@ -283,6 +283,7 @@ def run_targets(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]
         raise MutationError("--ours-only and --upstream-only exclude each other; pick one")
     if mo.ours_only:
         cell = dataclasses.replace(cell, suites=tuple(s for s in cell.suites if s != "upstream"))
+    mo = _without_known_bugs(cell, mo, progress)
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     try:
@@ -290,6 +291,18 @@ def run_targets(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _without_known_bugs(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> MutationOptions:
+    """``mo`` with the contracts the known vLLM bugs of the cell's release turn red deselected: they are red on
+    the baseline by design (kvcompat.known_bugs), and a red test can tell no mutant apart."""
+    from kvcompat import bisection, known_bugs
+
+    known = known_bugs.deselections(bisection.suite_tests(mo.repo), cell.vllm)
+    if not known:
+        return mo
+    progress(f"[{cell.id}] left out, red on a known vLLM bug of {cell.vllm}: {', '.join(known)}")
+    return dataclasses.replace(mo, pytest_args=(*mo.pytest_args, *(f"--deselect={k}" for k in known)))
 
 
 def run_mutants(cell: Cell, mo: MutationOptions, progress: Callable[[str], None] = print) -> MutationRun:
