@@ -847,6 +847,13 @@ def test_the_default_matrix_page_is_short_and_says_why_within_40_lines(tmp_path,
     if new_red:
         assert f"`nox -s bisect -- --test {NEW_RED} --good 0.33.0 --bad 0.34.0`" in md
         assert "**1 square fails the run.**" in lines[2]
+    data = json.loads(next(p for p in paths if p.suffix == ".json").read_text())
+    known = next(w for w in data["why"] if w["outcome"] == "known_bug")
+    assert known["reds"][0]["known_bug"] == {
+        "id": "cpu-tier-lru-ignores-device-hits",
+        "impact": "efficiency",
+        "link": "https://github.com/vllm-project/vllm/pull/39972",
+    }
 
 
 def test_how_each_cell_ran_is_in_words_per_suite_and_folded(tmp_path, lru_bug):
@@ -956,6 +963,8 @@ def test_impacts_mark_known_bugs_apart_from_each_other_and_from_new_reds(tmp_pat
         write_result(results, result("0.33.0", "2.14.0", Outcome.TEST_FAIL, [(LRU, "failed", "slow")]))
         write_result(results, result("0.32.0", "2.14.0", Outcome.TEST_FAIL, [("test_wrong", "failed", "bad tokens")]))
         write_result(results, result("0.31.0", "2.14.0", Outcome.TEST_FAIL, [("test_new", "failed", "boom")]))
+        both = [(LRU, "failed", "slow"), ("test_wrong", "failed", "bad tokens")]
+        write_result(results, result("0.30.0", "2.14.0", Outcome.TEST_FAIL, both))
         rep = build_report([results])
         md, html = render_markdown(rep), render_html(rep)
     finally:
@@ -964,6 +973,7 @@ def test_impacts_mark_known_bugs_apart_from_each_other_and_from_new_reds(tmp_pat
     assert "🔵🐢 known bug (efficiency)" in rows["**0.33.0**"]
     assert "🔵❌ known bug (wrong-output)" in rows["**0.32.0**"]
     assert "🔴 test fail" in rows["**0.31.0**"]
+    assert "🔵❌🐢 known bug (wrong-output +1)" in rows["**0.30.0**"]  # the worst impact named, every one marked
     assert (
         'data-impact="efficiency" style="--impact:#57606a"' in html
         and 'data-impact="wrong-output" style="--impact:#cf222e"' in html
@@ -1004,3 +1014,23 @@ def test_the_drawer_starts_with_the_red_tests_own_message_and_not_another_suites
     assert "Log tail" not in panel and "PASSED tests/v1/kv_connector" not in panel  # the upstream run's output
     upstream = html.split('id="d-vllm-0_34_0__torch-2_14_0__override-flashinfer-python-0_7_4__upstream"', 1)[1]
     assert "Log tail" not in upstream.split("</section>", 1)[0]  # green: nothing to explain
+
+
+def test_a_red_told_once_is_referred_to_in_the_next_squares(tmp_path, lru_bug):
+    """The same known red in two cells: its message and bug once, then "as in" the first square; Details
+    repeats none of what the why told."""
+    results = tmp_path / "r"
+    for torch in ("2.14.0", "2.15.0"):
+        write_result(
+            results,
+            result(
+                "0.33.0", torch, Outcome.TEST_FAIL, [(LRU, "failed", LRU_MESSAGE)], torch_override=torch == "2.15.0"
+            ),
+        )
+    md = render_markdown(build_report([results]))
+    why_section = md.split("## Why not green", 1)[1].split("\n## ", 1)[0]
+    assert why_section.count("the CPU tier serves 0 tokens of A") == 1
+    assert why_section.count("known vLLM bug cpu-tier-lru-ignores-device-hits") == 1
+    assert f"- `test_multi.py::{LRU}` failed: as in 0.33.0 / torch 2.15.0 (override)" in why_section
+    details = md.split("## Details", 1)[1]
+    assert "### 0.33.0 / torch 2.14.0: known bug" in details and "the CPU tier serves" not in details

@@ -1,11 +1,12 @@
-"""reports/compat.json: the model as data, including the flat outcome map the next report diffs against."""
+"""reports/compat.json: the model as data (the grid, why each square is not green, episodes), including the flat
+outcome map the next report diffs against."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
-from kvcompat.report import notrun
+from kvcompat.report import notrun, why
 from kvcompat.report.model import Report
 
 
@@ -16,6 +17,7 @@ def render_json(rep: Report) -> str:
             "totals": rep.totals(),
             "rows": rep.rows,
             "columns": rep.columns,
+            "footnotes": rep.footnotes(),
             "grid": [
                 {
                     "row": gc.row,
@@ -24,8 +26,34 @@ def render_json(rep: Report) -> str:
                     "suite": gc.suite,
                     "outcome": gc.outcome.value,
                     "text": gc.text(),
+                    "name": rep.name(gc),
+                    "notes": rep.notes(gc),
                 }
                 for gc in rep.ordered()
+            ],
+            "why": [
+                {
+                    "cell": f.gc.result.id,
+                    "suite": f.gc.suite,
+                    "name": f.name,
+                    "outcome": f.gc.outcome.value,
+                    "fails_run": f.fails_run,
+                    "reds": [
+                        {
+                            "test": r.test.nodeid,
+                            "outcome": r.test.outcome.value,
+                            "message": r.message,
+                            "known_bug": r.bug and {"id": r.bug.id, "impact": r.bug.impact, "link": r.bug.link},
+                            "bisect": r.bisect,
+                        }
+                        for r in f.reds
+                    ],
+                    "gone": [b.id for b in f.gone],
+                    "reason": f.reason,
+                    "show": f.show,
+                    "drawer": f"compat.html{f.anchor}",
+                }
+                for f in why.findings(rep)
             ],
             "episodes": [dataclasses.asdict(e) for e in rep.episodes()],
             "changes": rep.changes(),

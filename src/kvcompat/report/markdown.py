@@ -219,11 +219,17 @@ def render_why(rep: Report) -> list[str]:
     if not found:
         return []
     out = ["## Why not green", ""]
+    said: dict[tuple[str, str], str] = {}  # a red told once: (test, its bug or message) -> the square that told it
     for f in found[:WHY_SQUARES]:
         gc = f.gc
         runs = "fails the run" if f.fails_run else "does not fail the run"
         out += [f"**{f.name}**: {mark(gc)} {gc.outcome.label} ({runs})", ""]
         for r in f.reds[:WHY_TESTS]:
+            key = (r.test.nodeid, r.bug.id if r.bug else r.message)
+            if key in said and not r.bisect:
+                out.append(f"- `{r.name}` {r.test.outcome.value}: as in {said[key]}")
+                continue
+            said.setdefault(key, f.name)
             out.append(f"- `{r.name}` {r.test.outcome.value}: {_md(r.message)}")
             if r.bug:
                 out.append(f"  - {IMPACT_MARK[r.bug.impact]} {_md(why.bug_words(r.bug))}")
@@ -234,7 +240,7 @@ def render_why(rep: Report) -> list[str]:
                     f"    <sub>{why.OLDER}: a release where the test passes (no release of this report did)</sub>"
                 )
         if len(f.reds) > WHY_TESTS:
-            out.append(f"- and {len(f.reds) - WHY_TESTS} more red tests (Details below)")
+            out.append(f"- and {len(f.reds) - WHY_TESTS} more red tests (under Details)")
         out += [f"- ❗ {_md(why.gone_words(bug))}" for bug in f.gone]
         if not f.reds and not f.gone:
             out.append(f"- {_md(f.reason)}")
@@ -513,15 +519,18 @@ def render_not_applicable(rep: Report) -> list[str]:
 
 
 def render_details(rep: Report) -> list[str]:
-    """Every square that is not green: its reason and every red test with its message's telling line."""
+    """Every square that is not green: its reason, and each red test "Why not green" did not name with its
+    message's telling line and the known bug's source line."""
     notable = [gc for gc in rep.ordered() if not gc.outcome.is_green]
     if not notable:
         return []
+    told = {(f.gc.key, r.test.nodeid) for f in why.findings(rep)[:WHY_SQUARES] for r in f.reds[:WHY_TESTS]}
     out = ["## Details", ""]
     for gc in notable:
         out += [f"### {rep.name(gc)}: {gc.outcome.label}", "", _md(gc.detail or gc.result.detail), ""]
         for r in why.reds(gc):
-            out.append(f"- `{r.name}` {r.test.outcome.value}: {_md(red_line(gc, r.test))}"[:600])
+            if (gc.key, r.test.nodeid) not in told:
+                out.append(f"- `{r.name}` {r.test.outcome.value}: {_md(red_line(gc, r.test))}"[:600])
         if gc.judgement:
             out += [f"- ❗ {_md(why.gone_words(bug))}" for bug in gc.judgement.gone]
         if not gc.tests and gc.result.log_tail:

@@ -36,6 +36,8 @@ OFFLOAD_WORKER_FACT = "offload worker"
 BAD_TESTS = (TestOutcome.FAILED, TestOutcome.UNSUPPORTED, TestOutcome.ERROR)
 # A history run: results from this many releases make the timeline the report's headline view.
 TIMELINE_MIN_RELEASES = 4
+# Known-bug impacts (kvcompat.known_bugs.IMPACTS), the worst for a deployer first: a square names its worst.
+SEVERITY = ("wrong-output", "crash", "hang", "fails-requests", "refused", "leak", "efficiency")
 # Cell outcomes that leave a test without a verdict of its own: the square shows the cell's.
 NO_TEST_VERDICT = (Outcome.UNRESOLVABLE, Outcome.INSTALL_ERROR, Outcome.IMPORT_ERROR)
 
@@ -97,9 +99,9 @@ class GridCell:
 
     @property
     def impacts(self) -> list[str]:
-        """The impacts (kvcompat.known_bugs.IMPACTS order) of the known bugs behind this square's reds."""
+        """The impacts of the known bugs behind this square's reds, the worst first (:data:`SEVERITY`)."""
         found = {bug.impact for _, bug in (self.judgement.known if self.judgement else ())}
-        return [i for i in known_bugs.IMPACTS if i in found]
+        return sorted(found, key=lambda i: SEVERITY.index(i) if i in SEVERITY else len(SEVERITY))
 
     @property
     def is_plain(self) -> bool:
@@ -148,8 +150,9 @@ class GridCell:
         """``pass 186/190 (4 n/a)``, ``known bug (efficiency) 134/142 (7 n/a)``: the verdict and the tally."""
         counts, total = self.counts(), len(self.tests)
         text = f"{self.outcome.label}"
-        if self.outcome is Outcome.KNOWN_BUG and self.impacts:
-            text += f" ({', '.join(self.impacts)})"
+        if self.outcome is Outcome.KNOWN_BUG and self.impacts:  # the worst impact, and how many others
+            more = f" +{len(self.impacts) - 1}" if len(self.impacts) > 1 else ""
+            text += f" ({self.impacts[0]}{more})"
         if self.result.abi.get("missing"):
             text += f" · ABI ✗ {self.result.abi['missing']} symbols"
         tally = f"{counts['passed']}/{total}" + (

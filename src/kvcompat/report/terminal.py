@@ -149,12 +149,15 @@ def _shape_lines(rep: Report) -> str:
 
 
 BLANK = "(not in this matrix)"
+# A grid wider than this says a blank square with one character, explained under the grid.
+WIDE = 160
+BLANK_MARK = "·"
 
 
-def _square(rep: Report, cells: list[GridCell]) -> tuple[str, str]:
+def _square(rep: Report, cells: list[GridCell], blank: str = BLANK) -> tuple[str, str]:
     """A square's two lines: the lead verdict with its footnote marks, and the other suites in short."""
     if not cells:
-        return BLANK, ""
+        return blank, ""
     lead, rest = cells[0], cells[1:]
     name = "" if lead.is_plain else f"{why.suite_mark(lead)} "
     first = f"{name}{lead.text()}" + "".join(_sup(n) for n in rep.notes(lead))
@@ -165,8 +168,10 @@ def _square(rep: Report, cells: list[GridCell]) -> tuple[str, str]:
     return first, " · ".join(marks)
 
 
-def _grid(rep: Report, color: bool) -> str:
-    squares = {(row, col): _square(rep, rep.square(row, col)) for row in rep.rows for col in rep.columns}
+def _grid(rep: Report, color: bool, blank: str = BLANK) -> str:
+    """Releases down, torch across, each square in two lines; a blank square says it is not in this matrix
+    (in a grid too wide for that, with one character explained under it)."""
+    squares = {(row, col): _square(rep, rep.square(row, col), blank) for row in rep.rows for col in rep.columns}
     leads = {(row, col): rep.at(row, col) for row in rep.rows for col in rep.columns}
     w0 = max(len("vLLM"), *(len(r) for r in rep.rows))
     widths = [max(len(col), *(len(x) for row in rep.rows for x in squares[(row, col)])) for col in rep.columns]
@@ -182,6 +187,8 @@ def _grid(rep: Report, color: bool) -> str:
         lines.append(row.ljust(w0) + "  " + "  ".join(first).rstrip())
         if any(x.strip() for x in second):
             lines.append(" " * w0 + "  " + "  ".join(second).rstrip())
+    if blank == BLANK and w0 + sum(w + 2 for w in widths) > WIDE and any(BLANK in s for s, _ in squares.values()):
+        return _grid(rep, color, BLANK_MARK) + f"\n{BLANK_MARK} {BLANK.strip('()')}"
     return "\n".join(lines)
 
 

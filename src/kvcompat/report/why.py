@@ -16,6 +16,7 @@ from kvcompat.known_bugs import KnownBug
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report.model import (
     BAD_TESTS,
+    SEVERITY,
     GridCell,
     Report,
     _version_key,
@@ -128,11 +129,12 @@ def gone_words(bug: KnownBug) -> str:
 
 
 def reds(gc: GridCell) -> list[Red]:
-    """The square's red tests with a verdict of their own (new first), each with the known bug behind it."""
+    """The square's red tests with a verdict of their own (new first, then the known ones, the worst impact
+    first), each with the known bug behind it."""
     bad = [t for t in gc.tests if t.outcome in BAD_TESTS]
     own = [t for t in bad if t.blocked_by is None] or bad
     out = [Red(t, known_bug(gc, t)) for t in own]
-    return sorted(out, key=lambda r: r.bug is not None)
+    return sorted(out, key=lambda r: (r.bug is not None, SEVERITY.index(r.bug.impact) if r.bug else 0))
 
 
 def findings(rep: Report) -> list[Finding]:
