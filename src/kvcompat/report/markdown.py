@@ -147,7 +147,7 @@ def fit(lines: list[str], limit: int, where: str = "compat.html and compat.json 
     kept += ["</details>"] * max(opened, 0)
     return kept + [
         "",
-        f"… {len(lines) - len(kept)} more lines left out to keep this page short: {where} have them.",
+        f"… {len(lines) - len(kept)} more lines left out to keep this page short: see {where}.",
         "",
     ]
 

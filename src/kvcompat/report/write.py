@@ -44,21 +44,24 @@ def write_reports(
     return list(paths)
 
 
-# The mutation section gets at least this much of compat.md, more where the rest of the page leaves room.
-MUTATION_SHARE = 12_000
+# compat.md gives the mutation section (and a long list of cells not run) at most this much: its summary
+# table; the rest ("Per file", the survivors) is in compat.html.
+MUTATION_SHARE = 4_000
 
 
 def _markdown(rep: Report, mutants: list[dict]) -> str:
     """compat.md under markdown.LIMIT in all: the report, the cells not run after its title, the mutation
-    section last, each cut (with a line naming compat.html) where the page would be longer."""
+    section last (its summary table), each cut with a line naming compat.html where it is longer."""
     not_run = notrun.markdown(rep)
     if len(not_run) > MUTATION_SHARE:
         not_run = "\n".join(fit(not_run.splitlines(), MUTATION_SHARE)) + "\n\n"
     tail = mutation.render_markdown(mutants)
     body = render_markdown(rep, limit=LIMIT - len(not_run) - min(len(tail), MUTATION_SHARE))
     if tail:
-        room = LIMIT - len(not_run) - len(body)
-        tail = "\n".join(fit(tail.splitlines(), room)) + "\n" if len(tail) > room else tail
+        room = min(LIMIT - len(not_run) - len(body), MUTATION_SHARE)
+        tail = (
+            "\n".join(fit(tail.splitlines(), room, "compat.html beside this file")) + "\n" if len(tail) > room else tail
+        )
     return _after_title(body, not_run) + tail
 
 
