@@ -283,7 +283,6 @@ def run_targets(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]
         raise MutationError("--ours-only and --upstream-only exclude each other; pick one")
     if mo.ours_only:
         cell = dataclasses.replace(cell, suites=tuple(s for s in cell.suites if s != "upstream"))
-    mo = _without_known_bugs(cell, mo, progress)
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     try:
@@ -470,6 +469,7 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> li
         raise MutationError(
             f"cell {cell.id} has no lock ({lock}); run the cell once first: nox -s matrix -k {cell.tags[3]}"
         )
+    mo = _without_known_bugs(cell, mo, progress)
     names = tg.check_groups(tuple(mo.targets))
     written = cat.load(mo.catalogue) if "multi" in names else []
     ctx = _context(cell, mo, progress, timeout_s=3600.0)
