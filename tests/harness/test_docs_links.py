@@ -330,3 +330,62 @@ def test_the_examples_check_finds_what_is_wrong(tmp_path):
     assert "matrix takes no option --froce (did you mean --force?)" in found[4]
     assert "mutants takes no option -x" in found[5] and "report takes no option --frobnicate" in found[6]
     assert "no test test_missing in tests/connectors" in found[7]
+
+
+# -- reference pages: dated results and rounds of work live in the changelog only ----------------------
+
+CHANGELOG = "changelog.md"
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+ORDINALS = "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth"
+ROUND_OF_WORK = re.compile(
+    rf"\b(?:(?:{ORDINALS}) (?:round|session)|this session|later in the session|we then|issue \d+)\b", re.IGNORECASE
+)
+
+
+def diary_problems(repo: Path = REPO) -> list[str]:
+    """Where a docs page other than docs/changelog.md reads like a work diary: a heading with a date in it, or a
+    phrase that narrates a round of work ("Fourth session", "this session", "Later in the session") or names one of
+    the project's own issues ("issue 33"; vLLM's are written vllm#N or as a URL). Code is skipped; docs/evidence/
+    holds dated records and is not a reference page."""
+    out = []
+    for page in sorted((repo / "docs").glob("*.md")):
+        if page.name == CHANGELOG:
+            continue
+        where = page.relative_to(repo)
+        for number, line in prose(page.read_text()):
+            if (m := HEADING.match(line)) and DATE.search(m.group(2)):
+                out.append(f"{where}:{number}: dated heading {m.group(2)!r} (dated results go to docs/{CHANGELOG})")
+            out += [
+                f"{where}:{number}: {p.group(0)!r}: a round of work or the project's own issue (docs/{CHANGELOG})"
+                for p in ROUND_OF_WORK.finditer(line)
+            ]
+    return out
+
+
+def test_only_the_changelog_has_dated_headings_or_rounds_of_work():
+    """docs/*.md are reference pages: what a thing does, how to run it, its current figures and their command."""
+    assert diary_problems() == []
+
+
+def test_the_diary_check_finds_dated_headings_and_rounds_of_work(tmp_path):
+    """Negative control: a dated heading and each kind of phrase are named; the changelog, code, a date in prose,
+    vLLM's own issue numbers and docs/evidence/ are not."""
+    (tmp_path / "docs" / "evidence").mkdir(parents=True)
+    diary = "## Fourth session (2026-12-06): the runs\n\nLater in the session we then fixed it (issue 33).\n"
+    (tmp_path / "docs" / CHANGELOG).write_text("# Changelog\n\n" + diary)
+    (tmp_path / "docs" / "evidence" / "run.md").write_text("# A run, 2026-12-05\n")
+    (tmp_path / "docs" / "a.md").write_text(
+        "# A page\n\n"
+        "## How fast (2026-12-06, 0.34.0)\n"
+        "The First round found it; this session's contracts.\n"
+        "Later in the session, as issue 47 says.\n"
+        "## The figures\n"
+        "Measured on 2026-12-05; vllm#45330 and https://github.com/vllm-project/vllm/issues/45330 stay.\n"
+        "`this session` in code, and a round 2 of a benchmark, are fine.\n"
+        "```bash\n## Seventh session 2026-12-06\nwe then ran it\n```\n"
+    )
+    found = diary_problems(tmp_path)
+    assert [f.split(": ", 1)[0] for f in found] == [f"docs/a.md:{n}" for n in (3, 4, 4, 5, 5)], found
+    assert "dated heading 'How fast (2026-12-06, 0.34.0)'" in found[0]
+    assert "'First round'" in found[1] and "'this session'" in found[2]
+    assert "'Later in the session'" in found[3] and "'issue 47'" in found[4]
