@@ -40,8 +40,12 @@ def imports(path: Path) -> set[str]:
     return found
 
 
+# The in-cell packages: imported inside a cell's venv, next to vLLM (the mutation session's pytest plugins too)
+IN_CELL = ("kvcompat.testkit", "kvcompat.mutation.incell")
+
+
 def in_cell(name: str) -> bool:
-    return name == "kvcompat.testkit" or name.startswith("kvcompat.testkit.")
+    return any(name == p or name.startswith(p + ".") for p in IN_CELL)
 
 
 def test_only_the_testkit_imports_vllm_torch_or_pytest_internals():

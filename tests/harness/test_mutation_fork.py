@@ -1,4 +1,4 @@
-"""kvcompat.mutation.forkrun: a mutated source's code swapped into a live module, and a mutant per forked child."""
+"""kvcompat.mutation.incell.forkrun: a mutated source's code swapped into a live module, and a mutant per forked child."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompat.mutation.forkrun import swap_module
+from kvcompat.mutation.incell.forkrun import swap_module
 
 SOURCE = textwrap.dedent(
     """
@@ -149,7 +149,7 @@ def _run_plan(tmp_path: Path, plan: list[dict], jobs: int) -> tuple[dict, str]:
             "pytest",
             "-q",
             "-p",
-            "kvcompat.mutation.forkrun",
+            "kvcompat.mutation.incell.forkrun",
             "-p",
             "no:cacheprovider",
             f"--kvcompat-fork-plan={tmp_path / 'plan.json'}",
@@ -302,7 +302,7 @@ def test_a_childs_clock_runs_at_its_share_of_a_core_and_cpu_time_ends_a_spinner(
     """A child's clock counts each wall second as its share of a core (a survivor running the whole suite
     beside 15 others on 2 cores is no timeout), while a child that burns its limit in CPU time is out of
     time at once (a spinning mutant does not hold its slot for the slowed clock)."""
-    from kvcompat.mutation import forkrun
+    from kvcompat.mutation.incell import forkrun
 
     _one_test_project(tmp_path)
     plan = [

@@ -504,12 +504,12 @@ def test_only_runs_the_listed_tests_and_never_none(pytester):
     pytester.makepyfile(test_x="def test_a():\n    pass\n\ndef test_b():\n    pass\n\ndef test_c():\n    pass\n")
     only = pytester.path / "only.txt"
     only.write_text("test_x.py::test_b\ntest_x.py::test_c\n")
-    result = pytester.runpytest_subprocess("-p", "kvcompat.mutation.covplugin", f"--kvcompat-only={only}")
+    result = pytester.runpytest_subprocess("-p", "kvcompat.mutation.incell.covplugin", f"--kvcompat-only={only}")
     result.assert_outcomes(passed=2, deselected=1)
     only.write_text("test_x.py::test_gone\n")  # a stale list: the whole suite, not an empty run
-    pytester.runpytest_subprocess("-p", "kvcompat.mutation.covplugin", f"--kvcompat-only={only}").assert_outcomes(
-        passed=3
-    )
+    pytester.runpytest_subprocess(
+        "-p", "kvcompat.mutation.incell.covplugin", f"--kvcompat-only={only}"
+    ).assert_outcomes(passed=3)
 
 
 def test_the_plugin_maps_lines_to_tests(pytester, monkeypatch):
@@ -522,7 +522,7 @@ def test_the_plugin_maps_lines_to_tests(pytester, monkeypatch):
     out = pytester.path / "map.json"
     monkeypatch.setenv(covmap.ENV_OUT, str(out))
     monkeypatch.setenv(covmap.ENV_FILES, "pkg/mod.py")
-    pytester.runpytest_subprocess("-p", "kvcompat.mutation.covplugin").assert_outcomes(passed=2)
+    pytester.runpytest_subprocess("-p", "kvcompat.mutation.incell.covplugin").assert_outcomes(passed=2)
     files = covmap.read_plugin_output(out)["pkg/mod.py"]
     assert files[1] == {""} and files[5] == {"test_m.py::test_one"} and files[6] == {"test_m.py::test_zero"}
 

@@ -1,7 +1,7 @@
 """Coverage-based test selection for a mutation session: run a mutant against the tests that reach it only.
 
 The unmutated suite runs once per (cell, target group) under coverage.py, with one context per test
-(kvcompat.mutation.covplugin, in the session's venv, where :func:`install` puts coverage).  What it
+(kvcompat.mutation.incell.covplugin, in the session's venv, where :func:`install` puts coverage).  What it
 keeps, per file of the group, is line -> the node ids of the tests that executed the line ("" for code
 run outside any test: at import, during collection, or by a thread between two tests).  The map is
 stored beside the verdicts, ``results/mutants-<cell>.coverage-<group>.json``, one section per suite
@@ -37,8 +37,8 @@ from kvcompat.run.process import last_error_line
 
 SCHEMA = "kvcompat-mutants-coverage/1"
 COVERAGE = "coverage==7.18.0"  # what the session installs into its venv
-PLUGIN = "kvcompat.mutation.covplugin"
-ENV_OUT = "KVCOMPAT_COVMAP"  # kvcompat.mutation.covplugin.ENV_OUT (that module imports pytest: not here)
+PLUGIN = "kvcompat.mutation.incell.covplugin"
+ENV_OUT = "KVCOMPAT_COVMAP"  # kvcompat.mutation.incell.covplugin.ENV_OUT (that module imports pytest: not here)
 ENV_FILES = "KVCOMPAT_COVER"
 NOT_REACHED = "no test reaches it"
 

@@ -100,7 +100,7 @@ class MutationOptions:
     targets: tuple[str, ...] = tg.DEFAULT_GROUPS
     # Coverage-based test selection (kvcompat.mutation.covmap); False: every mutant runs the whole suite.
     select_tests: bool = True
-    # Score our suite in forked children of one pytest per batch (kvcompat.mutation.forkrun).
+    # Score our suite in forked children of one pytest per batch (kvcompat.mutation.incell.forkrun).
     fork: bool = False
     fork_jobs: int = 16  # forked children in flight at once
 
@@ -601,7 +601,7 @@ def _score_group(
 
 
 class _Forked:
-    """Our suite's verdicts of a group's mutants, scored in batches by kvcompat.mutation.forkrun: one pytest
+    """Our suite's verdicts of a group's mutants, scored in batches by kvcompat.mutation.incell.forkrun: one pytest
     imports the release once per batch and forks a child per mutant.  A mutant it cannot swap in (a change
     outside any function) gets no verdict here and is scored the usual way."""
 
@@ -675,7 +675,7 @@ class _Forked:
         run = _suite_run(
             self.ctx,
             "-p",
-            "kvcompat.mutation.forkrun",
+            "kvcompat.mutation.incell.forkrun",
             f"--kvcompat-fork-plan={plan_path}",
             f"--kvcompat-fork-out={out}",
             f"--kvcompat-fork-jobs={self.jobs}",

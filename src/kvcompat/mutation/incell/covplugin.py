@@ -1,6 +1,6 @@
 """In-cell pytest plugin of a mutation session: which test runs which line, and running only some tests.
 
-Loaded with ``-p kvcompat.mutation.covplugin`` in the session's venv (kvcompat.mutation.covmap is the
+Loaded with ``-p kvcompat.mutation.incell.covplugin`` in the session's venv (kvcompat.mutation.covmap is the
 harness's side).  Two jobs:
 
 * with ``KVCOMPAT_COVMAP=OUT`` and ``KVCOMPAT_COVER=PATH[:PATH…]`` (paths inside site-packages) in the

@@ -1,6 +1,6 @@
 """In-cell pytest plugin of a mutation session: many mutants in one pytest, each in a forked child.
 
-Loaded with ``-p kvcompat.mutation.forkrun --kvcompat-fork-plan=PLAN --kvcompat-fork-out=OUT`` in the
+Loaded with ``-p kvcompat.mutation.incell.forkrun --kvcompat-fork-plan=PLAN --kvcompat-fork-out=OUT`` in the
 session's venv (kvcompat.mutation.session is the harness's side).  The parent collects the suite and
 imports vLLM once (CpuPlatform first, then every target module, pristine); then, per mutant of PLAN
 (a JSON list of ``{"id", "module", "source", "tests", "timeout"}``), it forks.  The child swaps the
