@@ -18,6 +18,7 @@ import pytest
 from kvcompat.cells import Cell
 from kvcompat.index import uv_bin
 from kvcompat.mutation import catalogue as cat
+from kvcompat.mutation import record
 from kvcompat.mutation import session as mutation
 from kvcompat.mutation.guard import Guard, sha256_record
 from kvcompat.report import mutants as mutation_report
@@ -494,18 +495,18 @@ def test_cells_are_picked_as_nox_k_picks_them():
 def test_a_rerun_of_some_mutants_keeps_the_other_verdicts(tmp_path):
     """`nox -s mutants -- --mutant ID` rescores ID and keeps the previous run's other verdicts (same target
     and pytest arguments); a different target keeps nothing."""
-    v = mutation.MutantVerdict
-    previous = mutation.MutationRun(cell={"id": "c"}, catalogue="x", target="sha-1", started="t", scored=True)
+    v = record.MutantVerdict
+    previous = record.MutationRun(cell={"id": "c"}, catalogue="x", target="sha-1", started="t", scored=True)
     previous.mutants = [v("a", "A", "", "killed"), v("b", "B", "", "survived"), v("c", "C", "", "killed")]
     out = tmp_path / "mutants-c.json"
     out.write_text(json.dumps(previous.to_json()))
-    rerun = mutation.MutationRun(cell={"id": "c"}, catalogue="x", target="sha-1", started="t2")
-    kept = mutation._kept_verdicts(out, rerun, ("b",))
-    merged = mutation._merge(kept, [v("b", "B", "", "equivalent", reason="why")])
+    rerun = record.MutationRun(cell={"id": "c"}, catalogue="x", target="sha-1", started="t2")
+    kept = record.kept_verdicts(out, rerun, ("b",))
+    merged = record.merge(kept, [v("b", "B", "", "equivalent", reason="why")])
     assert [(m.id, m.status) for m in merged] == [("a", "killed"), ("b", "equivalent"), ("c", "killed")]
-    assert mutation._kept_verdicts(out, rerun, ()) == []  # a full run keeps nothing
-    other = mutation.MutationRun(cell={"id": "c"}, catalogue="x", target="sha-2", started="t2")
-    assert mutation._kept_verdicts(out, other, ("b",)) == []
+    assert record.kept_verdicts(out, rerun, ()) == []  # a full run keeps nothing
+    other = record.MutationRun(cell={"id": "c"}, catalogue="x", target="sha-2", started="t2")
+    assert record.kept_verdicts(out, other, ("b",)) == []
 
 
 def test_mutants_are_scored_only_in_cells_that_run_the_connector_suite():

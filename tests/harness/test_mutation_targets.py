@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompat.mutation import covmap, operators
+from kvcompat.mutation import covmap, operators, record
 from kvcompat.mutation import session as mutation
 from kvcompat.mutation import targets as tg
 from kvcompat.mutation.catalogue import TARGET
@@ -549,8 +549,8 @@ def test_each_file_has_its_own_pristine_copy_and_journal(tmp_path):
 
 
 def test_results_and_options_per_group(tmp_path):
-    assert mutation.results_path(tmp_path, "c").name == "mutants-c.json"  # multi: as before groups
-    assert mutation.results_path(tmp_path, "c", "offload").name == "mutants-c--offload.json"
+    assert record.results_path(tmp_path, "c").name == "mutants-c.json"  # multi: as before groups
+    assert record.results_path(tmp_path, "c", "offload").name == "mutants-c--offload.json"
 
     class Values:
         mutant = ()
@@ -681,8 +681,8 @@ def test_a_rerun_of_a_few_mutants_writes_the_kept_verdicts_from_its_first_write(
     from kvcompat.mutation import session as s
 
     out = tmp_path / "mutants-c--nixl.json"
-    prev = s.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t", scored=True, group="nixl")
-    prev.mutants = [s.MutantVerdict(id=i, contract="C.f", description="d", status="killed") for i in ("a", "b")]
+    prev = record.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t", scored=True, group="nixl")
+    prev.mutants = [record.MutantVerdict(id=i, contract="C.f", description="d", status="killed") for i in ("a", "b")]
     out.write_text(json.dumps(prev.to_json()))
     run = _dc.replace(prev, mutants=[], scored=False)
     g = _types.SimpleNamespace(
@@ -703,9 +703,9 @@ def test_survivors_are_explained_afresh_on_every_run_kept_verdicts_too(tmp_path)
     path.write_text(
         '[[explained]]\nids = ["gen-a-.*"]\nregex = true\nreleases = ["0.34.0"]\nreason = "TP > 1 (a.py:3)"\n'
     )
-    run = s.MutationRun(cell={"id": "c"}, catalogue="", target="t", started="t", group="nixl")
+    run = record.MutationRun(cell={"id": "c"}, catalogue="", target="t", started="t", group="nixl")
     g = s._Group("nixl", None, {}, [], run, tmp_path / "out.json", reasons=gen.load_reasons(path), release="0.34.0")
-    v = lambda i, st, e=None: s.MutantVerdict(id=i, contract="C.f", description="d", status=st, explained=e)  # noqa: E731
+    v = lambda i, st, e=None: record.MutantVerdict(id=i, contract="C.f", description="d", status=st, explained=e)  # noqa: E731
     assert g.explain(v("gen-a-1", "survived")).explained == "TP > 1 (a.py:3)"
     assert g.explain(v("gen-a-2", "killed", "stale")).explained is None
     assert g.explain(v("gen-b-1", "survived", "stale")).explained is None, "a reason taken away goes away"
@@ -724,13 +724,13 @@ def test_an_interrupted_run_resumes_and_a_finished_one_is_scored_afresh(tmp_path
     from kvcompat.mutation import session as s
 
     out = tmp_path / "mutants-c--nixl.json"
-    prev = s.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t", scored=True, group="nixl")
+    prev = record.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t", scored=True, group="nixl")
     prev.suite = "fp1"
-    prev.mutants = [s.MutantVerdict(id="a", contract="C.f", description="d", status="killed")]
+    prev.mutants = [record.MutantVerdict(id="a", contract="C.f", description="d", status="killed")]
     out.write_text(json.dumps(prev.to_json()))
 
     def keep(suite: str):
-        run = s.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t2", group="nixl", suite=suite)
+        run = record.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t2", group="nixl", suite=suite)
         planned = [_types.SimpleNamespace(mutant=_types.SimpleNamespace(id=i)) for i in ("a", "b")]
         g = _types.SimpleNamespace(run=run, out=out, planned=planned, explain=lambda v: v)
         s._keep_previous(g, cell=None, mo=_types.SimpleNamespace(only=(), upstream_only=False))

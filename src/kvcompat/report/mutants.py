@@ -1,4 +1,4 @@
-"""The report's "Mutation testing" section, from results/mutants-<cell>.json (see kvcompat.mutation.session).
+"""The report's "Mutation testing" section, from results/mutants-<cell>.json (see kvcompat.mutation.record).
 
 One result per cell and target group (``mutants-<cell>.json`` is the ``multi`` group, multi_connector.py;
 ``mutants-<cell>--<group>.json`` another, see kvcompat.mutation.targets).  Besides the table per run,
@@ -15,9 +15,9 @@ import json
 from html import escape
 from pathlib import Path
 
-SCHEMA = "kvcompat-mutants/1"  # kvcompat.mutation.session.SCHEMA (kept here: the report reads files, not sessions)
-COLUMNS = ("killed", "survived", "not_applicable", "equivalent")
-UNREACHED = "unreached"  # kvcompat.mutation.session.UNREACHED: a survivor no test executes
+from kvcompat.mutation.record import EQUIVALENT, KILLED, SCHEMA, STATUSES, SURVIVED, UNREACHED
+
+COLUMNS = STATUSES  # killed, survived, not_applicable, equivalent
 
 
 def _group(run: dict) -> str:
@@ -85,11 +85,11 @@ def head_to_head(run: dict) -> dict | None:
 
     None when the run has no upstream verdicts (the cell has no upstream column).
     """
-    both_scored = [m for m in run.get("mutants", []) if m.get("upstream") and m["status"] in ("killed", "survived")]
+    both_scored = [m for m in run.get("mutants", []) if m.get("upstream") and m["status"] in (KILLED, SURVIVED)]
     if not both_scored:
         return None
-    ours = {m["id"] for m in both_scored if m["status"] == "killed"}
-    theirs = {m["id"] for m in both_scored if m["upstream"]["status"] == "killed"}
+    ours = {m["id"] for m in both_scored if m["status"] == KILLED}
+    theirs = {m["id"] for m in both_scored if m["upstream"]["status"] == KILLED}
     by_id = {m["id"]: m for m in both_scored}
     return {
         "scored": len(both_scored),
@@ -99,7 +99,7 @@ def head_to_head(run: dict) -> dict | None:
         "neither": len(set(by_id) - ours - theirs),
         "only_ours": [by_id[i] for i in sorted(ours - theirs)],
         "only_upstream": [by_id[i] for i in sorted(theirs - ours)],
-        "planned": sum(1 for m in run.get("mutants", []) if m["status"] in ("killed", "survived")),
+        "planned": sum(1 for m in run.get("mutants", []) if m["status"] in (KILLED, SURVIVED)),
     }
 
 
@@ -161,7 +161,7 @@ def render_markdown(runs: list[dict]) -> str:
         )
     out.append("")
     for run in runs:
-        survivors = [m for m in run.get("mutants", []) if m["status"] == "survived"]
+        survivors = [m for m in run.get("mutants", []) if m["status"] == SURVIVED]
         if survivors and _group(run) == "multi":
             out += [f"Survivors in {run['id']}:", ""]
             out += [f"- `{m['id']}` ({m['contract']}): {m['description']}" for m in survivors]
@@ -169,7 +169,7 @@ def render_markdown(runs: list[dict]) -> str:
         if _uncovered(run):
             out += [f"Methods with no mutant and no reason in {run['id']}: {', '.join(_uncovered(run))}", ""]
     out += render_per_file(runs)
-    equivalent = {m["id"]: m for run in runs for m in run.get("mutants", []) if m["status"] == "equivalent"}
+    equivalent = {m["id"]: m for run in runs for m in run.get("mutants", []) if m["status"] == EQUIVALENT}
     if equivalent:
         out += ["Equivalent mutants (not run):", ""]
         out += [f"- `{m['id']}`: {m.get('reason')}" for m in equivalent.values()]
@@ -215,7 +215,7 @@ def render_html(runs: list[dict]) -> str:
             "<tr><th>mutant</th><th>contract</th><th>status</th><th>killed by / why</th></tr>"
         )
         for m in run["mutants"]:
-            why = _killer(m) if m["status"] == "killed" else (m.get("reason") or m.get("detail") or "")
+            why = _killer(m) if m["status"] == KILLED else (m.get("reason") or m.get("detail") or "")
             at = f" ({_where(m)})" if m.get("line") and _group(run) != "multi" else ""
             body.append(
                 f"<tr><td><code>{escape(m['id'])}</code>{escape(at)}</td><td>{escape(m['contract'])}</td>"
@@ -247,7 +247,7 @@ def file_counts(run: dict) -> dict[str, dict[str, int]]:
         out[f["path"]] = dict.fromkeys(FILE_COLUMNS, 0)
     for m in run.get("mutants", []):
         c = out.setdefault(_file_of(m, run), dict.fromkeys(FILE_COLUMNS, 0))
-        if m["status"] == "survived":
+        if m["status"] == SURVIVED:
             c["not reached" if m.get("how") == UNREACHED else "survived"] += 1
             c["explained"] += bool(m.get("explained"))
         else:
@@ -318,7 +318,7 @@ def render_per_file(runs: list[dict]) -> list[str]:
             out += [f"{_label(run)}:", ""] + [f"- {n}" for n in notes] + [""]
         by_file: dict[str, list[dict]] = {}
         for m in run.get("mutants", []):
-            if m["status"] == "survived":
+            if m["status"] == SURVIVED:
                 by_file.setdefault(_file_of(m, run), []).append(m)
         for path, survivors in by_file.items():
             ran = [m for m in survivors if m.get("how") != UNREACHED]
