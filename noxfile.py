@@ -74,16 +74,17 @@ def matrix(session: nox.Session, cell_id: str) -> None:
 @nox.session(python=False)
 def mutants(session: nox.Session) -> None:
     """Mutate a cell's vLLM files (--target: multi_connector.py by default), run the suite, report killed/survived."""
+    from kvcompat.mutation import front, say
     from kvcompat.mutation import session as mutation
 
     with one_line_errors():
         values, pytest_args = options.parse("mutants", session.posargs)  # only --deselect passes to pytest
         runs = []
-        for cell in mutation.select_cells(list(CELLS.values()), values.k):
-            mo = mutation.options_for(ROOT, values, pytest_args)
+        for cell in front.select_cells(list(CELLS.values()), values.k):
+            mo = front.options_for(ROOT, values, pytest_args)
             runs += mutation.run_targets(cell, mo, progress=session.log)
         sessions.update_report(ROOT, [ROOT / "results"], if_any=True)
-    bad = [mutation.summary(r) for r in runs if not r.ok]
+    bad = [say.summary(r) for r in runs if not r.ok]
     if bad:
         session.error("; ".join(bad))
 

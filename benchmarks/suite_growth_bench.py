@@ -32,7 +32,7 @@ def _venv(cell_expr: str) -> Path:
     from kvcompat import options, sessions
 
     values, _ = options.parse("matrix", [])
-    from kvcompat.mutation.session import select_cells
+    from kvcompat.mutation.front import select_cells
 
     (cell,) = select_cells(list(sessions.matrix_cells(REPO, values)), cell_expr)
     return REPO / ".kvcompat" / "venvs" / cell.id

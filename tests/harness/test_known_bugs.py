@@ -190,12 +190,12 @@ def test_a_mutation_run_leaves_out_the_known_bugs_of_its_release():
     from pathlib import Path
 
     from kvcompat.cells import Cell
-    from kvcompat.mutation import session
+    from kvcompat.mutation import context, session
 
     said = []
     root = Path(__file__).parents[2]
     here = dict(results_dir=root / "results", home=root / "h", cell_work=root / "w")
-    mo = session.MutationOptions(repo=root, catalogue=root / "x.toml", pytest_args=("-x",), **here)
+    mo = context.MutationOptions(repo=root, catalogue=root / "x.toml", pytest_args=("-x",), **here)
     out = session._without_known_bugs(Cell("0.33.0", "2.14.0"), mo, said.append)
     lru = (
         "test_cpu_tier.py::test_a_prompt_in_use_from_the_device_cache_is_evicted_from_the_cpu_tier_after_an_unused_one"

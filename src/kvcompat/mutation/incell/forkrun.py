@@ -1,7 +1,7 @@
 """In-cell pytest plugin of a mutation session: many mutants in one pytest, each in a forked child.
 
 Loaded with ``-p kvcompat.mutation.incell.forkrun --kvcompat-fork-plan=PLAN --kvcompat-fork-out=OUT`` in the
-session's venv (kvcompat.mutation.session is the harness's side).  The parent collects the suite and
+session's venv (kvcompat.mutation.forked is the harness's side).  The parent collects the suite and
 imports vLLM once (CpuPlatform first, then every target module, pristine); then, per mutant of PLAN
 (a JSON list of ``{"id", "module", "source", "tests", "timeout"}``), it forks.  The child swaps the
 mutated source's code into the module's existing functions and methods (``__code__``, so every
