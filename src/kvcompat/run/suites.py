@@ -22,8 +22,8 @@ from kvcompat.shapes import SHAPES_ENV
 from kvcompat.testkit.import_probe import MARK as PROBE_MARK
 
 PLUGIN = "kvcompat.testkit.pytest_plugin"
-# Run only when the suite errored, or when no test passed (see kvcompat.testkit.import_probe);
-# a passing cell never pays for a second import of vLLM.
+# Run only when the suite errored, a test of ours errored (a fixture's import) or none passed (see
+# kvcompat.testkit.import_probe and wants_probe); a passing cell never pays for a second import of vLLM.
 PROBE = "kvcompat.testkit.import_probe"
 # pytest's exit statuses other than 0 (all passed) and 1 (some failed): none is a verdict on vLLM.
 PYTEST_EXIT = {
@@ -223,7 +223,7 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
     main = info.get("ours") or next(iter(info.values()))
     outcome, detail = Outcome(main["outcome"]), main["detail"]
     versions = installed.versions
-    if outcome is Outcome.TEST_ERROR or outcome is Outcome.TEST_FAIL and not count_tests(tests)["passed"]:
+    if wants_probe(outcome, tests):
         with ctx.timed("import"):
             rc, out = ctx.sh([ctx.python, "-m", PROBE], timeout=ctx.opts.import_timeout_s, phase="import")
         if rc is None:
@@ -271,6 +271,16 @@ def phase(ctx: CellContext, installed: Installed) -> CellResult:
         abi=abi,
         integrity=installed.integrity,
     )
+
+
+def wants_probe(outcome: Outcome, tests: list[TestResult]) -> bool:
+    """Whether a cell's red may be vLLM's code not importing rather than a verdict: our suite errored, or
+    one of its tests errored (a fixture that imports a connector's child: 137 errors and 4 failures when
+    the CPU-offload child's module does not import), or none of its tests passed."""
+    ours = [t for t in tests if t.suite == "ours"] or tests  # the suite whose verdict is the cell's
+    if outcome is Outcome.TEST_ERROR or any(t.outcome is TestOutcome.ERROR for t in ours):
+        return True
+    return outcome is Outcome.TEST_FAIL and not count_tests(ours)["passed"]
 
 
 # How many red tests a cell's line names before it says how many passed.
