@@ -51,6 +51,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from kvcompat import bisection as bis
+from kvcompat import overlay as ov
 from kvcompat import qualify as q
 from kvcompat.atomic import write_atomic
 from kvcompat.results import CellResult
@@ -61,7 +62,14 @@ GIT_URL = "https://github.com/vllm-project/vllm"
 
 
 class Refused(Exception):
-    """A commit whose Python cannot be laid over a release wheel; the message is the one-line reason."""
+    """A commit whose Python cannot be laid over a release wheel; the message is the one-line reason.
+
+    ``origin``: the commit after the bisect's older end that first changed the compiled sources the refused
+    one has, when that is not the refused commit itself."""
+
+    def __init__(self, message: str, origin: Commit | None = None) -> None:
+        super().__init__(message)
+        self.origin = origin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,39 +275,38 @@ class History:
         for line in git(self.repo, "ls-tree", "-r", "--full-tree", "-z", commit.sha).split("\x00"):
             meta, _, rel = line.partition("\t")
             parts = meta.split()
-            if len(parts) != 3 or parts[1] != "blob" or parts[0] == "120000":  # files only, not links
-                continue
-            if not rel.startswith(("tests/", "build/")) and q.is_compiled_source(rel):
-                out[rel] = parts[2].encode()
+            if len(parts) == 3 and parts[1] == "blob" and parts[0] != "120000" and ov.is_compiled_source(rel):
+                out[rel] = parts[2].encode()  # files only, not links
         return out
 
     @functools.cache  # noqa: B019 (one History per bisect: a release's sdist is read once)
     def compiled_of_release(self, release: str) -> dict[str, bytes]:
-        sources = q.compiled_sources_of_sdist(self.releases.sdist(release))
+        sources = ov.compiled_sources_of_sdist(self.releases.sdist(release))
         return {rel: _git_blob_id(data, self.object_format) for rel, data in sources.items()}
 
     def compiled_changes(self, commit: Commit, release: str) -> list[str]:
-        """The compiled sources the commit has changed, added or removed relative to ``release``'s sdist.
-
-        A file the sdist does not ship and that lies outside what the build compiles (``csrc/``,
-        ``cmake/``, ``rust/``, the top-level build files) is no part of the wheel and is left out.
-        """
-        mine, theirs = self.compiled_of_commit(commit), self.compiled_of_release(release)
-        return [
-            rel
-            for rel in q.compiled_differences(mine, theirs)
-            if rel in theirs or rel.startswith(q.COMPILED_FOLDERS) or rel in q.COMPILED_FILES
-        ]
+        """The compiled sources the commit has changed, added or removed relative to ``release``'s sdist."""
+        return ov.compiled_differences(self.compiled_of_commit(commit), self.compiled_of_release(release))
 
     def first_release_containing(self, commit: Commit) -> str | None:
         tags = git(self.repo, "tag", "--contains", commit.sha).split()
         finals = [v for v in map(_release, tags) if v is not None and not v.is_prerelease]
         return str(min(finals)) if finals else None
 
-    def base_sharing_compiled(self, commit: Commit) -> str:
-        """The release whose wheel the commit's Python is laid over: its base, or (when the commit changed
-        compiled sources) the first release that contains it if that one's compiled sources are the
-        commit's.  Otherwise :class:`Refused`, naming the files and the release that would be needed."""
+    def first_change(self, commit: Commit, base: str, differ: list[str], since: Commit | None) -> Commit | None:
+        """The commit that brought ``commit``'s compiled differences from ``base``: the oldest first-parent
+        commit after ``since`` that touched one of ``differ`` and left the compiled sources differing; None
+        when ``since`` differs already (the change came before it)."""
+        if since is None or since == commit or self.compiled_changes(since, base):
+            return None
+        touched = _commits(self.repo, "--first-parent", "--reverse", f"{since.sha}..{commit.sha}", "--", *differ)
+        return next((c for c in touched if self.compiled_changes(c, base)), None)
+
+    def base_sharing_compiled(self, commit: Commit, since: Commit | None = None) -> str:
+        """The release whose wheel the commit's Python is laid over: its base, or (when the commit's compiled
+        sources differ from the base's) the first release that contains it if that one's compiled sources are
+        the commit's.  Otherwise :class:`Refused`, naming the files, the commit after ``since`` that first
+        changed them, and the release that would be needed."""
         base = self.base_of(commit)
         differ = self.compiled_changes(commit, base)
         if not differ:
@@ -318,10 +325,13 @@ class History:
                 return shipped
         elif shipped:
             needed = f"build a wheel of the commit (vllm {shipped} contains it, but is not newer than {base})"
-        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        origin = self.first_change(commit, base, differ, since)
+        origin = origin if origin != commit else None
+        what = "changes compiled sources" if origin is None else f"has the compiled sources that {origin.label} changed"
         raise Refused(
-            f"{commit.label} changes compiled sources relative to vllm {base} ({shown}): its Python cannot be laid "
-            f"over the {base} wheel; {needed}"
+            f"{commit.label} {what} relative to vllm {base} ({ov.shown(differ)}): its Python cannot be laid over "
+            f"the {base} wheel; {needed}",
+            origin,
         )
 
     # -- 4. the overlaid wheel -------------------------------------------------------------------------
@@ -359,21 +369,16 @@ class History:
         does was deleted in between: it is replaced by one that fails to import, as the deleted module
         would.  (The release's sdist is no guide to deletions: it ships files git does not track.)
         """
-        base = self.base_sharing_compiled(commit)
+        base = self.base_sharing_compiled(commit, since)
         wheel = self.releases.wheel(base)
         with tempfile.TemporaryDirectory(prefix="tree.", dir=self._work()) as tmp:
             tree = self.export(commit, Path(tmp))
-            changes = q.python_changes(tree, wheel)
+            changes = ov.python_changes(tree, wheel)
             present = {p.relative_to(tree).as_posix() for p in (tree / "vllm").rglob("*.py")}
         deleted = (self.python_of(since) - present) if since is not None and since != commit else set()
         for rel in sorted(deleted):
             changes[rel] = f"raise ModuleNotFoundError({rel!r} + ' is deleted in this commit')\n".encode()
-        digest = hashlib.sha256(b"".join(k.encode() + b"\0" + v for k, v in sorted(changes.items()))).hexdigest()[:10]
-        local = f"{base}+src.{digest}"
-        built = self.work / f"vllm-{local}-{wheel.name.split('-', 2)[2]}"
-        if not built.is_file():
-            built = q.overlay_wheel(wheel, changes, local, self.work)
-        return Overlay(commit, base, built, tuple(sorted(changes)))
+        return Overlay(commit, base, ov.lay_over(wheel, base, changes, self.work), tuple(sorted(changes)))
 
     def _work(self) -> Path:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -468,10 +473,11 @@ def bisect_commits(
     newer, older = (("GOOD", good), ("BAD", bad)) if find_fix else (("BAD", bad), ("GOOD", good))
     for commit, (role, ref) in ((commits[-1], newer), (commits[0], older)):  # checked in the search's order
         try:
-            history.base_sharing_compiled(commit)
+            history.base_sharing_compiled(commit, since=commits[0])
         except Refused as exc:
+            pick = f"pick a {role} older than {exc.origin.short}, or one" if exc.origin else f"pick a {role}"
             raise bis.BisectError(
-                f"{role} {ref}: {exc} (or pick a {role} whose compiled sources match a release's; "
+                f"{role} {ref}: {exc} (or {pick} whose compiled sources match a release's; "
                 "`kvcompat qualify WHEEL` takes a built wheel)"
             ) from None
     n = len(commits) - 1
@@ -485,7 +491,7 @@ def bisect_commits(
     def evaluate(sha: str) -> bis.Step:
         commit = by_sha[sha]
         try:
-            base = history.base_sharing_compiled(commit)
+            base = history.base_sharing_compiled(commit, since=commits[0])
         except Refused as exc:
             return bis.Step(sha, bis.Verdict.SKIP, str(exc).removeprefix(commit.label + " "), cell=False)
         key = fingerprint(base)

@@ -6,9 +6,10 @@
 The steps, each a plain function taking the previous one's result:
 
 1. :func:`candidate_from` — a wheel is used as built; a source checkout's Python files are laid over
-   the base release's wheel (:func:`overlay_wheel`), since the connector code is pure Python.  A
-   checkout whose compiled sources (``csrc/``, ``rust/``, CMake, ``setup.py``, C/C++/CUDA/Rust files) differ from the base's sdist
-   is refused in one line naming them: its extensions would need a build.
+   the base release's wheel (:mod:`kvcompat.overlay`), since the connector code is pure Python.  A
+   checkout whose compiled sources (what builds the wheel's extensions: ``csrc/``, ``cmake/``, ``rust/``,
+   ``CMakeLists.txt``, ``setup.py``) differ from the base's sdist is refused in one line naming them: its
+   extensions would need a build.
 2. :func:`base_release` — the newest final release on the index at or below the candidate's version
    (``0.34.1.dev1`` and ``0.34.0+src.…`` both descend from 0.34.0), unless ``--against`` names one;
    :func:`base_overrides` takes the base's matrix entry's ``overrides`` (0.34.x needs flashinfer's).
@@ -20,15 +21,9 @@ The steps, each a plain function taking the previous one's result:
 
 from __future__ import annotations
 
-import base64
-import csv
 import dataclasses
-import hashlib
-import io
 import re
-import tarfile
 import tomllib
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,15 +31,10 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from kvcompat import known_bugs
+from kvcompat import overlay as ov
 from kvcompat.errors import KvcompatError
 from kvcompat.outcomes import TestOutcome
 from kvcompat.results import CellResult, TestResult
-
-# What a checkout must not change for its Python files to be laid over the base wheel: what
-# vLLM's build compiles.  Anything else (tests, docs, Python) may differ.
-COMPILED_SUFFIXES = (".cu", ".cuh", ".cpp", ".cc", ".c", ".h", ".hpp", ".cmake", ".rs")
-COMPILED_FOLDERS = ("csrc/", "cmake/", "rust/")
-COMPILED_FILES = ("CMakeLists.txt", "setup.py", "rust-toolchain.toml")
 
 
 class QualifyError(KvcompatError):
@@ -95,109 +85,6 @@ def checkout_version(folder: Path) -> str | None:
     return None
 
 
-def is_compiled_source(rel: str) -> bool:
-    return rel in COMPILED_FILES or rel.startswith(COMPILED_FOLDERS) or rel.endswith(COMPILED_SUFFIXES)
-
-
-def compiled_sources_of_checkout(folder: Path) -> dict[str, bytes]:
-    out = {}
-    for path in folder.rglob("*"):
-        rel = path.relative_to(folder).as_posix()
-        if path.is_file() and not rel.startswith((".git/", "build/", "tests/")) and is_compiled_source(rel):
-            out[rel] = path.read_bytes()
-    return out
-
-
-def compiled_sources_of_sdist(sdist: Path) -> dict[str, bytes]:
-    out = {}
-    with tarfile.open(sdist, "r:*") as tar:
-        for member in tar:
-            parts = member.name.split("/", 1)
-            if (
-                len(parts) == 2
-                and member.isfile()
-                and not parts[1].startswith("tests/")
-                and is_compiled_source(parts[1])
-            ):
-                out[parts[1]] = tar.extractfile(member).read()  # type: ignore[union-attr]
-    return out
-
-
-def compiled_differences(checkout: dict[str, bytes], base: dict[str, bytes]) -> list[str]:
-    """The compiled sources a checkout changed, added or removed relative to the base's sdist."""
-    return sorted(rel for rel in checkout.keys() | base.keys() if checkout.get(rel) != base.get(rel))
-
-
-def python_changes(folder: Path, base_wheel: Path) -> dict[str, bytes]:
-    """The checkout's ``vllm/**.py`` files whose bytes differ from the base wheel's (new files included).
-
-    Files only the wheel has (``vllm/_version.py``, generated at build time) are kept as built.
-    """
-    with zipfile.ZipFile(base_wheel) as zf:
-        shipped = {n for n in zf.namelist() if n.startswith("vllm/") and n.endswith(".py")}
-        changes = {}
-        for path in sorted((folder / "vllm").rglob("*.py")):
-            rel = path.relative_to(folder).as_posix()
-            if "__pycache__" in rel:
-                continue
-            data = path.read_bytes()
-            if rel not in shipped or zf.read(rel) != data:
-                changes[rel] = data
-    return changes
-
-
-def overlay_wheel(base_wheel: Path, replacements: dict[str, bytes], version: str, out_dir: Path) -> Path:
-    """A copy of ``base_wheel`` with ``replacements`` laid over it, renamed to ``version``.
-
-    The dist-info folder, METADATA's Version and RECORD (every hash) are rewritten, so uv installs
-    it like any wheel.  Written beside its final name and renamed: a half-written wheel never exists.
-    """
-    name, _, _, _ = parse_wheel_filename(base_wheel.name)
-    tags = base_wheel.name.split("-", 2)[2]  # python-abi-platform.whl, unchanged
-    dest = out_dir / f"{name}-{version}-{tags}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".part")
-    record_rows: list[tuple[str, str, str]] = []
-    with zipfile.ZipFile(base_wheel) as zin, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zout:
-        old_info = next(n.split("/")[0] for n in zin.namelist() if n.split("/")[0].endswith(".dist-info"))
-        new_info = f"{name}-{version}.dist-info"
-        record_name = f"{new_info}/RECORD"
-        for info in zin.infolist():
-            rel = info.filename
-            if rel.endswith("/") or rel == f"{old_info}/RECORD":
-                continue
-            data = replacements.get(rel)
-            if data is None:
-                data = zin.read(info)
-            if rel.startswith(old_info + "/"):
-                rel = new_info + rel[len(old_info) :]
-                if rel == f"{new_info}/METADATA":
-                    data = re.sub(rb"^Version: .*$", f"Version: {version}".encode(), data, count=1, flags=re.M)
-            _write(zout, rel, data, info.external_attr)
-            record_rows.append(_record_row(rel, data))
-        for rel in sorted(set(replacements) - set(zin.namelist())):  # files the checkout adds
-            _write(zout, rel, replacements[rel], 0o644 << 16)
-            record_rows.append(_record_row(rel, replacements[rel]))
-        record_rows.append((record_name, "", ""))
-        text = io.StringIO()
-        csv.writer(text, lineterminator="\n").writerows(record_rows)  # quotes the names with commas
-        _write(zout, record_name, text.getvalue().encode(), 0o644 << 16)
-    tmp.rename(dest)
-    return dest
-
-
-def _write(zout: zipfile.ZipFile, rel: str, data: bytes, external_attr: int) -> None:
-    info = zipfile.ZipInfo(rel, date_time=(2020, 1, 1, 0, 0, 0))
-    info.external_attr = external_attr
-    info.compress_type = zipfile.ZIP_DEFLATED
-    zout.writestr(info, data, compresslevel=1)
-
-
-def _record_row(rel: str, data: bytes) -> tuple[str, str, str]:
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    return rel, f"sha256={digest}", str(len(data))
-
-
 def candidate_from(
     path: Path,
     *,
@@ -222,21 +109,17 @@ def candidate_from(
                 f"{path} says no version (no PKG-INFO, no vllm/_version.py); name its base with --against X.Y.Z"
             )
         base = against or base_release(version, releases())  # type: ignore[arg-type]
-        differ = compiled_differences(compiled_sources_of_checkout(path), compiled_sources_of_sdist(base_sdist(base)))
+        mine, theirs = ov.compiled_sources_of_checkout(path), ov.compiled_sources_of_sdist(base_sdist(base))
+        differ = ov.compiled_differences(mine, theirs)
         if differ:
-            shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
             raise QualifyError(
-                f"{path}'s compiled sources differ from vllm {base}'s ({shown}): only Python files can be laid over "
-                f"the {base} wheel; build a wheel of the checkout and pass that"
+                f"{path}'s compiled sources differ from vllm {base}'s ({ov.shown(differ)}): only Python files can be "
+                f"laid over the {base} wheel; build a wheel of the checkout and pass that"
             )
         wheel = base_wheel(base)
-        changes = python_changes(path, wheel)
-        digest = hashlib.sha256(b"".join(k.encode() + b"\0" + v for k, v in sorted(changes.items()))).hexdigest()[:10]
-        local = f"{base}+src.{digest}"
-        built = work / f"vllm-{local}-{wheel.name.split('-', 2)[2]}"
-        if not built.is_file():
-            built = overlay_wheel(wheel, changes, local, work)
-        return Candidate(built, local, "source checkout", path, tuple(sorted(changes))), base
+        changes = ov.python_changes(path, wheel)
+        built = ov.lay_over(wheel, base, changes, work)
+        return Candidate(built, wheel_version(built), "source checkout", path, tuple(sorted(changes))), base
     raise QualifyError(f"{path} is neither a .whl file nor a folder; pass a vllm wheel or a vLLM source checkout")
 
 

@@ -450,3 +450,92 @@ def test_a_cell_whose_pytest_died_of_a_signal_is_a_crash_not_a_verdict():
     error = make_result(outcome=Outcome.TEST_ERROR, detail="pytest exit status 4 (usage error): no tests ran")
     failed = make_result(outcome=Outcome.TEST_FAIL, tests=[("t", "failed", "assert 1 == 2")])
     assert [bc.crashed(r) for r in (crash, error, failed)] == [True, False, False]
+
+
+def test_only_what_builds_the_extensions_is_a_compiled_change(tmp_path):
+    """A C file the sdist ships outside the build (.buildkite/) may change; a kernel in csrc/ may not."""
+    base = {**BASE_TREE, ".buildkite/scripts/fault_trap.c": "int main(void) { return 0; }\n"}
+    ci = {".buildkite/scripts/fault_trap.c": "int main(void) { return 1; }\n"}
+    repo, shas = make_repo(tmp_path / "repo", [("ci: a fault trap", ci), ("b", BROKEN)], base=base)
+    answer, _, _ = bisect(tmp_path, repo, "v0.34.0", "main", releases=fakes(tmp_path, {"0.34.0": base}))
+    assert answer.newer.subject == "b" and answer.older.subject == "ci: a fault trap"
+
+    kernel = {"csrc/x.cu": "__global__ void x() {}\n"}
+    repo, shas = make_repo(tmp_path / "repo2", [("kernels: x", kernel), ("b", BROKEN)], base=base)
+    with pytest.raises(bis.BisectError, match=r"\"kernels: x\" changed relative to vllm 0\.34\.0 \(csrc/x\.cu\)"):
+        bisect(tmp_path / "2", repo, "v0.34.0", "main", releases=fakes(tmp_path / "2", {"0.34.0": base}))
+
+
+def test_a_refusal_names_the_commit_that_changed_the_compiled_sources(tmp_path):
+    """BAD carries a kernel edit made two commits before it: the refusal names that commit and its subject."""
+    changes = [("harmless", harmless(1)), ("kernels: tweak", {"csrc/cache.cu": "// edit\n"}), ("later", harmless(2))]
+    repo, shas = make_repo(tmp_path / "repo", changes)
+    with pytest.raises(bis.BisectError) as err:
+        bisect(tmp_path, repo, "v0.34.0", "main")
+    message = str(err.value)
+    assert message.startswith(f'BAD main: {shas[3][:10]} "later" has the compiled sources that ')
+    assert f'{shas[2][:10]} "kernels: tweak" changed relative to vllm 0.34.0 (csrc/cache.cu)' in message
+    assert f"pick a BAD older than {shas[2][:10]}, or one whose compiled sources match" in message
+    assert "\n" not in message
+
+
+@pytest.mark.slow  # a real cell per step (fake wheels, venvs built with uv)
+def test_a_commit_whose_offload_child_cannot_import_is_skipped_not_named_first_bad(tmp_path):
+    """Commits 1-2 break the offload child's import (the suite's fixtures error, one test still passes),
+    3 mends it, 4 drops the scan: the bisect lands on 2, which is skipped (an import error), and answers 4."""
+    from test_import_probe import BROKEN_CHILD, RELEASE, V1
+
+    from kvcompat.cells import Cell
+    from kvcompat.outcomes import Outcome
+    from kvcompat.run.options import RunOptions
+    from kvcompat.run.workflow import run_cell
+
+    from helpers import SMALL_CELL_GB
+
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_children.py").write_text(
+        "import pytest\n\n"
+        "@pytest.fixture\ndef children():\n"
+        "    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory\n"
+        "    return [KVConnectorFactory._registry[n]() for n in ('NixlConnector', 'SimpleCPUOffloadConnector')]\n\n"
+        "def test_get_finished(children):\n"
+        f"    from {MC[:-3].replace('/', '.')} import get_finished\n"
+        "    assert get_finished() == 1\n\n"
+        "def test_needs_no_child():\n    pass\n"
+    )
+    tree = {**RELEASE, "PKG-INFO": BASE_TREE["PKG-INFO"], "setup.py": "", MC: GOOD_MC}
+    offload = f"{V1}/simple_cpu_offload_connector.py"
+    changes = [
+        ("offload: import the new copy", {offload: BROKEN_CHILD}),
+        ("offload: a comment", {offload: BROKEN_CHILD + "# more\n"}),
+        ("offload: mend the import", {offload: RELEASE[offload]}),
+        ("refactor: drop the scan", BROKEN),
+        ("later", {MC: BROKEN[MC] + "# later\n"}),
+    ]
+    repo, shas = make_repo(tmp_path / "repo", changes, base=tree)
+    opts = RunOptions(
+        repo=REPO,
+        results_dir=tmp_path / "results",
+        suite=str(suite),
+        work_dir=tmp_path / "work",
+        min_free_gb=float(SMALL_CELL_GB),
+    )
+    outcomes = {}
+
+    class RealCells(Cells):
+        def run(self, overlay):
+            self.ran.append(overlay)
+            cell = Cell(vllm=overlay.wheel.name.split("-")[1], torch="none", wheel=overlay.wheel)
+            result = run_cell(cell, tmp_path / "venvs" / cell.id, opts, progress=lambda s: None)
+            outcomes[overlay.commit.sha] = result.outcome
+            return cell.id, result
+
+    releases = fakes(tmp_path, {"0.34.0": tree})
+    answer, cells, lines = bisect(
+        tmp_path, repo, "v0.34.0", "main", releases=releases, cells=RealCells(opts.results_dir)
+    )
+    assert outcomes[shas[2]] is Outcome.IMPORT_ERROR, "\n".join(lines)
+    assert (answer.older.sha, answer.newer.sha) == (shas[3], shas[4]), "\n".join(lines)
+    skip = next(s for s in answer.result.steps if getattr(s, "item", getattr(s, "version", None)) == shas[2])
+    assert skip.verdict is bis.Verdict.SKIP and "the CPU-offload child SimpleCPUOffloadConnector" in skip.why

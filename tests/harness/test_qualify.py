@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from kvcompat import overlay as ov
 from kvcompat import qualify as q
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.results import CellResult, TestResult
@@ -52,7 +53,7 @@ def record_of(wheel: Path) -> dict[str, tuple[str, str]]:
 
 
 def test_overlay_wheel_renames_the_version_and_rewrites_every_hash(tmp_path):
-    wheel = q.overlay_wheel(
+    wheel = ov.overlay_wheel(
         base_wheel(tmp_path),
         {MC: b"def get_finished():\n    return 2\n", "vllm/new.py": b"Y = 2\n"},
         "0.34.1.dev1",
@@ -73,7 +74,7 @@ def test_an_overlaid_wheel_installs(tmp_path):
     """What uv checks when it installs a local wheel (its RECORD is CSV): the candidate cell's install."""
     from kvcompat import index
 
-    wheel = q.overlay_wheel(base_wheel(tmp_path), {}, "0.34.1.dev2", tmp_path)
+    wheel = ov.overlay_wheel(base_wheel(tmp_path), {}, "0.34.1.dev2", tmp_path)
     venv = tmp_path / "venv"
     uv = index.uv_bin()
     subprocess.run([uv, "venv", "-q", str(venv)], check=True)
@@ -266,3 +267,38 @@ def test_bad_candidates_are_one_line_and_exit_2(args, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_only_what_builds_the_extensions_is_compared(tmp_path):
+    """A checkout whose .buildkite/ C file differs from the sdist's is laid over; a new csrc/ kernel is refused."""
+    co = make_checkout(tmp_path / "co", python="def get_finished():\n    return 3\n")
+    (co / "setup.py").write_text("")
+    sdist = tmp_path / "ci" / "vllm-0.34.0.tar.gz"
+    sdist.parent.mkdir()
+    files = {"csrc/cache.cu": "__global__ void k() {}\n", "setup.py": "", ".buildkite/trap.c": "int x;\n"}
+    with tarfile.open(sdist, "w:gz") as tar:
+        for rel, text in files.items():
+            info = tarfile.TarInfo(f"vllm-0.34.0/{rel}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    (co / ".buildkite").mkdir()
+    (co / ".buildkite" / "trap.c").write_text("int y;\n")
+    (co / "benchmarks").mkdir()
+    (co / "benchmarks" / "k.cu").write_text("// a benchmark\n")
+    wheel = base_wheel(tmp_path)
+
+    def candidate():
+        return q.candidate_from(
+            co,
+            against=None,
+            base_wheel=lambda v: wheel,
+            base_sdist=lambda v: sdist,
+            releases=lambda: RELEASES,
+            work=tmp_path / "candidates",
+        )
+
+    cand, base = candidate()
+    assert base == "0.34.0" and cand.changed == (MC,)
+    (co / "csrc" / "x.cu").write_text("__global__ void x() {}\n")
+    with pytest.raises(q.QualifyError, match=r"compiled sources differ from vllm 0\.34\.0's \(csrc/x\.cu\)"):
+        candidate()
