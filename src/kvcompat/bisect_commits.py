@@ -485,7 +485,8 @@ def bisect_commits(
     goal = f"the fix of {test!r}" if find_fix else repr(test)
     say(
         f"bisecting {n} commit{'s' if n != 1 else ''} of {history.repo} after {commits[0].label} up to "
-        f"{commits[-1].label} (first parents) for {goal}; at most {budget} cells (ceil(log2 {n}) + 2)"
+        f"{commits[-1].label} (first parents) for {goal}; at most {budget} cells (ceil(log2 {n}) + 2), "
+        "one more for each cell whose step is skipped"
     )
 
     def evaluate(sha: str) -> bis.Step:
@@ -553,7 +554,8 @@ def connector_changes(repo: Path, older: str, newer: str) -> list[bis.FileChange
 
 def render_answer(answer: CommitAnswer, repo: Path) -> str:
     res = answer.result
-    budget = bis.cell_budget(answer.n + 1, check_older=True)
+    budget = bis.cell_budget(answer.n + 1, check_older=True) + res.skipped_cells
+    skips = f", + {res.skipped_cells} for the cells skipped" if res.skipped_cells else ""
     full = {"older": answer.older, "newer": answer.newer}
     if res.find_fix:
         lines = [
@@ -574,7 +576,7 @@ def render_answer(answer: CommitAnswer, repo: Path) -> str:
         lines.append(f"  (could not test {skipped} in between: the {boundary} commit may be one of them)")
     lines.append(
         f"cells evaluated: {res.cells_evaluated} (at most {budget}: ceil(log2 {answer.n}) + 2 for {answer.n} "
-        f"commit{'s' if answer.n != 1 else ''})"
+        f"commit{'s' if answer.n != 1 else ''}{skips})"
     )
     changes = connector_changes(repo, answer.older.sha, answer.newer.sha)
     lines.append(

@@ -60,10 +60,15 @@ class BisectResult:
     steps: list[Step]
     untested_between: list[str]  # skipped releases that may hold the boundary
     find_fix: bool = False
+    n: int = 0  # the items searched, both ends included
 
     @property
     def cells_evaluated(self) -> int:
         return sum(s.cell for s in self.steps)
+
+    @property
+    def skipped_cells(self) -> int:
+        return skipped_cells(self.steps)
 
     @property
     def last_good(self) -> str | None:
@@ -209,10 +214,19 @@ def cell_budget(n: int, *, check_older: bool = False) -> int:
     With ``check_older`` (commits: ``git bisect`` trusts neither end) the older end is the
     second cell, and the boundary is one of the ``n - 1`` places after it: ceil(log2 (n-1)) + 2,
     that is at most ceil(log2 N) + 2 for the N commits of GOOD..BAD.
+
+    A step skipped after its cell ran narrows nothing: the bound grows by one for each (the search
+    takes the median of the candidates left, so a verdict halves them and a skip removes one); a step
+    decided without a cell costs nothing.
     """
     if check_older:
         return math.ceil(math.log2(max(n - 1, 1))) + 2
     return math.ceil(math.log2(n)) + 1
+
+
+def skipped_cells(steps: list[Step]) -> int:
+    """The steps that ran a cell and were skipped: each adds one to :func:`cell_budget`."""
+    return sum(s.cell and s.verdict is Verdict.SKIP for s in steps)
 
 
 def bisect(
@@ -249,7 +263,7 @@ def bisect(
         step = evaluate(versions[i])
         step.seconds = time.monotonic() - t0
         steps.append(step)
-        counter = f"{sum(s.cell for s in steps)}/≤{budget}" if step.cell else "no cell"
+        counter = f"{sum(s.cell for s in steps)}/≤{budget + skipped_cells(steps)}" if step.cell else "no cell"
         say(
             f"[{counter}] {name(versions[i])} ({role}): {step.verdict.value.upper()} - {step.why} ({step.seconds:.0f}s)"
         )
@@ -279,7 +293,7 @@ def bisect(
         untested = [i for i in range(lo + 1, hi) if i not in skipped]
         if not untested:
             break
-        mid = min(untested, key=lambda i: (abs(i - (lo + hi) / 2), i))
+        mid = untested[(len(untested) - 1) // 2]  # the older median: a verdict halves, a skip removes one
         role = (
             f"{old_flag} endpoint"
             if mid == 0
@@ -298,7 +312,7 @@ def bisect(
     if lo < 0:  # the older end showed the new verdict, or could not be put to the test
         raise not_old(next(s for s in steps if s.version == versions[0]))
     untested = [versions[i] for i in sorted(skipped) if lo < i < hi]
-    return BisectResult(versions[lo], versions[hi], steps, untested, find_fix=find_fix)
+    return BisectResult(versions[lo], versions[hi], steps, untested, find_fix=find_fix, n=n)
 
 
 # -- what changed between the two wheels -------------------------------------------------
@@ -358,7 +372,11 @@ def render_answer(res: BisectResult, changes: list[FileChange] | None) -> str:
         lines.append(
             f"  (could not test {', '.join(res.untested_between)} in between: the {boundary} release may be one of them)"
         )
-    lines.append(f"cells evaluated: {res.cells_evaluated}")
+    skips = f", + {res.skipped_cells} for the cells skipped" if res.skipped_cells else ""
+    bound = cell_budget(res.n) + res.skipped_cells
+    lines.append(
+        f"cells evaluated: {res.cells_evaluated} (at most {bound}: ceil(log2 {res.n}) + 1 for {res.n} releases{skips})"
+    )
     lines.append(f"compare: {compare_url(res.older, res.newer)}")
     if changes is not None:
         lines.append(f"connector sources changed between {res.older} and {res.newer}: {len(changes)} file(s)")

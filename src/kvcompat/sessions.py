@@ -253,7 +253,8 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
     goal = f"the fix of {values.test!r}" if find_fix else repr(values.test)
     say(
         f"bisecting ({env}) {len(versions)} {values.dist} releases {versions[0]} .. {versions[-1]} for {goal} "
-        f"(torch {values.torch}); at most {budget} cells"
+        f"(torch {values.torch}); at most {budget} cells "
+        f"(ceil(log2 {len(versions)}) + 1), one more for each cell whose step is skipped"
     )
     opts = RunOptions(
         repo=root,

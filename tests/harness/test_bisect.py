@@ -367,3 +367,32 @@ def test_a_commit_bisect_checks_the_name_before_reading_the_checkout(tmp_path):
     ns = options.parse_bisect(["--repo", str(tmp_path / "no-repo"), "a", "b", "--test", "test_nope"], {})
     with pytest.raises(bis.BisectError, match="--test 'test_nope' names no test of tests/connectors"):
         bisect_commits.bisect(suite(tmp_path), ns, say=lambda line: None)
+
+
+def _step_counters(lines):
+    """(cells so far, bound shown) of each step line that ran a cell: ``[k/≤b] …``."""
+    return [
+        tuple(map(int, re.match(r"\[(\d+)/≤(\d+)\]", line).groups()))
+        for line in lines
+        if line.startswith("[") and not line.startswith("[no")
+    ]
+
+
+@pytest.mark.parametrize("check_older", [False, True])
+def test_a_skipped_cell_extends_the_bound_every_line_shows(check_older):
+    """Every boundary and every set of skipped items over up to 9 items: no step's count passes its bound,
+    the bound without skips plus one for each skipped cell (the last step's, and the answer's)."""
+    import itertools
+
+    for n in range(2, 10):
+        versions = [f"0.{m}.0" for m in range(n)]
+        for first_bad in range(1, n):
+            for r in range(n - 1):
+                for skip in itertools.combinations(versions[1:-1], r):
+                    evaluate, calls = fake(versions[first_bad], skip=set(skip))
+                    lines = []
+                    res = bis.bisect(versions, evaluate, say=lines.append, check_older=check_older)
+                    counters = _step_counters(lines)
+                    assert all(k <= b for k, b in counters), (n, first_bad, skip, lines)
+                    bound = bis.cell_budget(n, check_older=check_older) + res.skipped_cells
+                    assert res.cells_evaluated == len(calls) == counters[-1][0] <= bound == counters[-1][1]
