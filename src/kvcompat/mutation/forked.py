@@ -11,6 +11,7 @@ from kvcompat.mutation.plan import Group
 from kvcompat.mutation.record import KILLED, STILL_GREEN, SURVIVED, MutantVerdict
 from kvcompat.mutation.score import base, select
 from kvcompat.results import headline
+from kvcompat.run import suites
 from kvcompat.run.context import CellContext
 
 PLUGIN = "kvcompat.mutation.incell.forkrun"
@@ -96,18 +97,7 @@ class Forked:
             f"--kvcompat-fork-out={out}",
             f"--kvcompat-fork-jobs={self.jobs}",
         )
-        cmd = [
-            self.ctx.python,
-            "-m",
-            "pytest",
-            run.path,
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            f"--rootdir={run.cwd}",
-            *run.args,
-            *self.ctx.opts.pytest_args,
-        ]
+        cmd = suites.pytest_command(self.ctx, run, "-p", "no:cacheprovider", "-q")
         self.ctx.say(
             f"fork: {len(plan)} mutants in one pytest (the release imported once, {self.jobs} children at a time)"
         )

@@ -186,23 +186,13 @@ def upstream_scorer(
     ctx = cell_context(cell, mo, progress, timeout_s=3600.0)
     t0 = time.monotonic()
     with ctx.timed("upstream baseline"):
-        try:
-            prepared = suites.suite_run(ctx, "upstream")
-        except Exception as exc:  # e.g. the sdist cannot be fetched: as suites.run_suite says it
-            verdict = suites.SuiteVerdict(Outcome.TEST_ERROR, f"could not prepare the upstream suite: {exc}", [])
-            prepared = None
-        if prepared is not None and not prepared.path:
-            verdict = suites.run_suite(ctx, "upstream")  # nothing of it in this release: its not-applicable verdict
-            prepared = None
-        if prepared is not None:
+        prepared = suites.prepare_suite(ctx, "upstream")
+        if isinstance(prepared, suites.SuiteVerdict):  # it could not be prepared, or this release has none of it
+            verdict, prepared = prepared, None
+        else:
             print_ = covmap.fingerprint([Path(prepared.path)], [*prepared.args, *ctx.opts.pytest_args], prepared.env)
             measured_run, after = measured(ctx, mo.results_dir, "upstream", prepared, groups, selecting, print_)
-            verdict = suites.run_pytest(ctx, "upstream", measured_run)
-            if prepared.not_applicable:  # as suites.run_suite records them
-                verdict.tests += prepared.not_applicable
-                verdict.detail += "; not applicable here: " + ", ".join(
-                    t.message or "" for t in prepared.not_applicable
-                )
+            verdict = suites.run_prepared(ctx, "upstream", measured_run)
             after(verdict.outcome is Outcome.PASS)
     record = baseline_record(verdict, time.monotonic() - t0)
     for g in groups:

@@ -125,6 +125,12 @@ def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
 
 def run_suite(ctx: CellContext, suite: str) -> SuiteVerdict:
     """One suite in this cell: its pytest run, plus the tests the release cannot have (not applicable)."""
+    prepared = prepare_suite(ctx, suite)
+    return prepared if isinstance(prepared, SuiteVerdict) else run_prepared(ctx, suite, prepared)
+
+
+def prepare_suite(ctx: CellContext, suite: str) -> SuiteRun | SuiteVerdict:
+    """Where and how to run ``suite`` in this cell, or its verdict when nothing of it can run."""
     try:
         run = suite_run(ctx, suite)
     except Exception as exc:  # e.g. the sdist cannot be fetched: that suite errors, visibly
@@ -134,6 +140,11 @@ def run_suite(ctx: CellContext, suite: str) -> SuiteVerdict:
         return SuiteVerdict(
             Outcome.NOT_APPLICABLE, f"vllm {ctx.cell.vllm} predates {names} (not in its sdist)", run.not_applicable
         )
+    return run
+
+
+def run_prepared(ctx: CellContext, suite: str, run: SuiteRun) -> SuiteVerdict:
+    """A prepared suite's pytest run (:func:`prepare_suite`), plus the tests the release cannot have."""
     verdict = run_pytest(ctx, suite, run)
     if run.not_applicable:
         verdict.tests += run.not_applicable
@@ -141,15 +152,19 @@ def run_suite(ctx: CellContext, suite: str) -> SuiteVerdict:
     return verdict
 
 
+def pytest_command(ctx: CellContext, run: SuiteRun, *options: str) -> list[str]:
+    """``python -m pytest`` of ``run`` in this cell: ``options`` first, then the run's arguments and the cell's
+    (RunOptions.pytest_args, last)."""
+    return [ctx.python, "-m", "pytest", run.path, *options, f"--rootdir={run.cwd}", *run.args, *ctx.opts.pytest_args]
+
+
 def run_pytest(ctx: CellContext, suite: str, run: SuiteRun) -> SuiteVerdict:
     """One pytest run with the in-cell plugin; the verdict comes from the plugin's JSON, never from the output."""
     report = ctx.files.pytest_report(suite)
     report.unlink(missing_ok=True)
-    cmd = [
-        ctx.python,
-        "-m",
-        "pytest",
-        run.path,
+    cmd = pytest_command(
+        ctx,
+        run,
         "-p",
         PLUGIN,
         f"--kvcompat-json={report}",
@@ -160,10 +175,7 @@ def run_pytest(ctx: CellContext, suite: str, run: SuiteRun) -> SuiteVerdict:
         "-q",
         "-rA",
         "--tb=short",
-        f"--rootdir={run.cwd}",
-        *run.args,
-        *ctx.opts.pytest_args,
-    ]
+    )
     rc, out = ctx.sh(cmd, timeout=ctx.opts.timeout_s, phase="test", env=run.env, cwd=run.cwd)
     data = _read_json(report)
     tests = [TestResult.from_json(t) for t in data.get("tests", [])] if data else []
