@@ -128,13 +128,7 @@ def bisect(session: nox.Session) -> None:
     With --find-fix --bad OLD --good NEW: the first good release after a bad one.
     With --repo PATH GOOD BAD: the first bad commit of a vLLM git checkout."""
     with one_line_errors():
-        values = options.parse_bisect(session.posargs)
-        if values.repo is not None:
-            from kvcompat import bisect_commits
-
-            bisect_commits.bisect(ROOT, values, say=session.log)
-        else:
-            sessions.bisect(ROOT, values, say=session.log)
+        sessions.bisect(ROOT, options.parse_bisect(session.posargs), say=session.log)
 
 
 @nox.session(python=False)

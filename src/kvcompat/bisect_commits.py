@@ -1,31 +1,31 @@
-"""Bisect the commits of a vLLM git checkout: the first commit where a test fails (``git bisect run``).
+"""The commits a bisect walks: the first commit of a vLLM git checkout where a test fails (``git bisect run``).
 
     kvcompat bisect --repo ~/src/vllm GOOD BAD --test test_load_errors_of_either_child_reach_the_scheduler
     nox -s bisect -- --repo ~/src/vllm GOOD BAD --test T
 
-The steps, each a plain function:
+The handler for :func:`kvcompat.bisection.run`, its steps each a plain function or method:
 
 1. :func:`commits_between` — GOOD, then ``git rev-list --first-parent --reverse GOOD..BAD``: the N
    commits the first bad one can be.  Bad input (not a git repository, an unknown ref, GOOD not an
    ancestor of BAD) is one line naming the fix.
-2. :meth:`History.base_of` — the release a commit descends from: its tree's own version (an sdist's
+2. :meth:`Bases.base_of` — the release a commit descends from: its tree's own version (an sdist's
    ``PKG-INFO``, a ``vllm/_version.py``), else the newest release tag its history holds; then the
    newest final release on the index at or below it (:func:`kvcompat.qualify.base_release`).
-3. :meth:`History.compiled_refusal` — the commit's compiled sources (``csrc/``, ``rust/``, CMake,
-   ``setup.py``, C/C++/CUDA/Rust files; git's blob ids) against the base's sdist.  A commit that
-   changed them cannot be laid over any release wheel that lacks the change: at GOOD or BAD that is
-   bad input (exit 2), in between the commit is skipped, as ``git bisect skip``, with the files and
-   the release that would be needed.  When the first release that contains the commit has the same
-   compiled sources, that release is the base.
-4. :meth:`History.overlay` — ``git archive`` of the commit's ``vllm/`` (nothing is checked out in
-   the user's work tree), its ``vllm/**.py`` laid over the base's wheel
-   (:func:`kvcompat.qualify.overlay_wheel`, named ``<base>+src.<hash of the Python changes>``: a
-   commit that changes no Python shares its parent's wheel and cell).
-5. Each overlaid wheel runs as a cell with the base's matrix-entry overrides (as ``kvcompat
-   qualify`` runs a candidate), our suite only; the verdict is the named test's
-   (:func:`kvcompat.bisection.verdict_for`).  A commit that cannot be built, installed or imported
-   is skipped, never good or bad.  :func:`kvcompat.bisection.bisect` checks BAD, then GOOD, then
-   searches: at most ceil(log2 N) + 2 cells.
+3. :meth:`Bases.base_sharing_compiled` — the commit's compiled sources (what builds the wheel's extensions,
+   :func:`kvcompat.overlay.is_compiled_source`; git's blob ids) against the base's sdist.  A commit whose
+   compiled sources differ cannot be laid over any release wheel that lacks them: at GOOD or BAD that is
+   bad input (exit 2) naming the commit that first changed them, in between the commit is skipped, as
+   ``git bisect skip``, with the files and the release that would be needed.  When the first release that
+   contains the commit has the same compiled sources, that release is the base.
+4. :func:`overlay` — ``git archive`` of the commit's ``vllm/`` (nothing is checked out in the user's work
+   tree), its ``vllm/**.py`` laid over the base's wheel (:func:`kvcompat.overlay.lay_over`, named
+   ``<base>+src.<hash of the Python changes>``: a commit that changes no Python shares its parent's wheel
+   and cell).
+5. :meth:`Commits.evaluate` — the overlaid wheel runs as a cell with the base's matrix-entry overrides (as
+   ``kvcompat qualify`` runs a candidate), our suite only; the verdict is the named test's
+   (:func:`kvcompat.bisection.verdict_for`).  A commit that cannot be built, installed or imported is
+   skipped, never good or bad.  BAD is checked first, then GOOD, then the search: at most
+   ceil(log2 N) + 2 cells, one more for each cell whose step is skipped.
 
 Results go to ``.kvcompat/bisect/results/`` (out of the matrix's report), and a record per tree to
 ``.kvcompat/bisect/commits/``: a commit whose tree was evaluated before (with the same suite, torch
@@ -99,7 +99,7 @@ class Overlay:
 
 
 @dataclasses.dataclass(frozen=True)
-class Releases:
+class ReleaseFiles:
     """The index's side: its vllm releases, and a release's wheel and sdist (each fetched once, cached)."""
 
     listed: Callable[[], list[Version]]
@@ -220,13 +220,13 @@ def _release(tag: str) -> Version | None:
         return None
 
 
-# -- 2.-4. a commit as a wheel ----------------------------------------------------------------------
+# -- 2.-3. the release a commit is laid over -------------------------------------------------------
 
 
-class History:
-    """The commits of one repository, each turned into an overlaid wheel against its base release."""
+class Bases:
+    """Which release's wheel each commit of one repository is laid over, and the commits that cannot be."""
 
-    def __init__(self, repo: Path, releases: Releases, work: Path) -> None:
+    def __init__(self, repo: Path, releases: ReleaseFiles, work: Path) -> None:
         self.repo = repo
         self.releases = releases
         self.work = work
@@ -236,12 +236,10 @@ class History:
         except subprocess.CalledProcessError:
             pass
 
-    # -- 2. the base -------------------------------------------------------------------------------
-
     def version_of(self, commit: Commit) -> tuple[str | None, str]:
         """(version, where it came from): the tree's PKG-INFO or vllm/_version.py, else the newest release tag
         in its history."""
-        with tempfile.TemporaryDirectory(prefix="version.", dir=self._work()) as tmp:
+        with tempfile.TemporaryDirectory(prefix="version.", dir=_made(self.work)) as tmp:
             for rel in ("PKG-INFO", "vllm/_version.py"):
                 data = _show(self.repo, commit.sha, rel)
                 if data is not None:
@@ -267,8 +265,6 @@ class History:
         except q.QualifyError as exc:
             raise Refused(f"{commit.label}: {exc}") from None
 
-    # -- 3. compiled sources -------------------------------------------------------------------------
-
     def compiled_of_commit(self, commit: Commit) -> dict[str, bytes]:
         """The commit's compiled sources as {path: git blob id}, read from its tree (nothing exported)."""
         out = {}
@@ -279,7 +275,7 @@ class History:
                 out[rel] = parts[2].encode()  # files only, not links
         return out
 
-    @functools.cache  # noqa: B019 (one History per bisect: a release's sdist is read once)
+    @functools.cache  # noqa: B019 (one Bases per bisect: a release's sdist is read once)
     def compiled_of_release(self, release: str) -> dict[str, bytes]:
         sources = ov.compiled_sources_of_sdist(self.releases.sdist(release))
         return {rel: _git_blob_id(data, self.object_format) for rel, data in sources.items()}
@@ -334,55 +330,60 @@ class History:
             origin,
         )
 
-    # -- 4. the overlaid wheel -------------------------------------------------------------------------
 
-    def python_of(self, commit: Commit) -> frozenset[str]:
-        """The ``vllm/**.py`` files git tracks in ``commit`` (read from its tree, nothing exported)."""
-        out = git(self.repo, "ls-tree", "-r", "--name-only", "-z", commit.sha, "--", "vllm")
-        return frozenset(rel for rel in out.split("\x00") if rel.endswith(".py"))
+# -- 4. the overlaid wheel -------------------------------------------------------------------------
 
-    def export(self, commit: Commit, dest: Path) -> Path:
-        """The commit's ``vllm/**.py`` under ``dest`` (``git archive``: the user's work tree is left alone)."""
-        proc = subprocess.Popen(
-            ["git", "-C", str(self.repo), "archive", "--format=tar", commit.sha, "--", "vllm"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        assert proc.stdout is not None
-        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
-            for member in tar:
-                if member.isfile() and member.name.endswith(".py") and ".." not in member.name.split("/"):
-                    target = dest / member.name
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
-        err = proc.stderr.read() if proc.stderr else b""
-        if proc.wait():
-            raise Refused(f"{commit.label}: git archive failed ({err.decode(errors='replace').strip()[:200]})")
-        if not (dest / "vllm" / "__init__.py").is_file():
-            raise Refused(f"{commit.label} has no vllm/__init__.py: not a vLLM tree")
-        return dest
 
-    def overlay(self, commit: Commit, since: Commit | None = None) -> Overlay:
-        """The commit as a wheel: its base release's wheel with the commit's Python laid over it.
+def python_of(repo: Path, commit: Commit) -> frozenset[str]:
+    """The ``vllm/**.py`` files git tracks in ``commit`` (read from its tree, nothing exported)."""
+    out = git(repo, "ls-tree", "-r", "--name-only", "-z", commit.sha, "--", "vllm")
+    return frozenset(rel for rel in out.split("\x00") if rel.endswith(".py"))
 
-        A ``vllm/**.py`` file that ``since`` (the bisect's older end) tracks and the commit no longer
-        does was deleted in between: it is replaced by one that fails to import, as the deleted module
-        would.  (The release's sdist is no guide to deletions: it ships files git does not track.)
-        """
-        base = self.base_sharing_compiled(commit, since)
-        wheel = self.releases.wheel(base)
-        with tempfile.TemporaryDirectory(prefix="tree.", dir=self._work()) as tmp:
-            tree = self.export(commit, Path(tmp))
-            changes = ov.python_changes(tree, wheel)
-            present = {p.relative_to(tree).as_posix() for p in (tree / "vllm").rglob("*.py")}
-        deleted = (self.python_of(since) - present) if since is not None and since != commit else set()
-        for rel in sorted(deleted):
-            changes[rel] = f"raise ModuleNotFoundError({rel!r} + ' is deleted in this commit')\n".encode()
-        return Overlay(commit, base, ov.lay_over(wheel, base, changes, self.work), tuple(sorted(changes)))
 
-    def _work(self) -> Path:
-        self.work.mkdir(parents=True, exist_ok=True)
-        return self.work
+def export(repo: Path, commit: Commit, dest: Path) -> Path:
+    """The commit's ``vllm/**.py`` under ``dest`` (``git archive``: the user's work tree is left alone)."""
+    proc = subprocess.Popen(
+        ["git", "-C", str(repo), "archive", "--format=tar", commit.sha, "--", "vllm"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+        for member in tar:
+            if member.isfile() and member.name.endswith(".py") and ".." not in member.name.split("/"):
+                target = dest / member.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
+    err = proc.stderr.read() if proc.stderr else b""
+    if proc.wait():
+        raise Refused(f"{commit.label}: git archive failed ({err.decode(errors='replace').strip()[:200]})")
+    if not (dest / "vllm" / "__init__.py").is_file():
+        raise Refused(f"{commit.label} has no vllm/__init__.py: not a vLLM tree")
+    return dest
+
+
+def overlay(bases: Bases, commit: Commit, since: Commit | None = None) -> Overlay:
+    """The commit as a wheel: its base release's wheel with the commit's Python laid over it.
+
+    A ``vllm/**.py`` file that ``since`` (the bisect's older end) tracks and the commit no longer
+    does was deleted in between: it is replaced by one that fails to import, as the deleted module
+    would.  (The release's sdist is no guide to deletions: it ships files git does not track.)
+    """
+    base = bases.base_sharing_compiled(commit, since)
+    wheel = bases.releases.wheel(base)
+    with tempfile.TemporaryDirectory(prefix="tree.", dir=_made(bases.work)) as tmp:
+        tree = export(bases.repo, commit, Path(tmp))
+        changes = ov.python_changes(tree, wheel)
+        present = {p.relative_to(tree).as_posix() for p in (tree / "vllm").rglob("*.py")}
+    deleted = (python_of(bases.repo, since) - present) if since is not None and since != commit else set()
+    for rel in sorted(deleted):
+        changes[rel] = f"raise ModuleNotFoundError({rel!r} + ' is deleted in this commit')\n".encode()
+    return Overlay(commit, base, ov.lay_over(wheel, base, changes, bases.work), tuple(sorted(changes)))
+
+
+def _made(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 # -- resumability -----------------------------------------------------------------------------------
@@ -422,24 +423,6 @@ class Records:
         write_atomic(self._path(commit), json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-# -- the search ---------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class CommitAnswer:
-    result: bis.BisectResult
-    commits: dict[str, Commit]
-    n: int  # the commits of GOOD..BAD
-
-    @property
-    def older(self) -> Commit:
-        return self.commits[self.result.older]
-
-    @property
-    def newer(self) -> Commit:
-        return self.commits[self.result.newer]
-
-
 def crashed(result: CellResult) -> bool:
     """Whether the cell's pytest died of a signal (a crash the suite did not report) rather than giving a verdict."""
     from kvcompat.outcomes import Outcome
@@ -447,92 +430,106 @@ def crashed(result: CellResult) -> bool:
     return result.outcome is Outcome.TEST_ERROR and (result.detail or "").startswith("pytest exited -")
 
 
-def bisect_commits(
-    history: History,
-    good: str,
-    bad: str,
-    *,
-    test: str,
-    run: Callable[[Overlay], tuple[str, CellResult]],
-    fingerprint: Callable[[str], str],
-    records: Records | None = None,
-    force: bool = False,
-    find_fix: bool = False,
-    say: Callable[[str], None] = print,
-    resume: Callable[[str, str], str] | None = None,
-) -> CommitAnswer:
-    """Find the first bad commit of GOOD..BAD (with ``find_fix``, the first good one after BAD).
+# -- 5. the handler ---------------------------------------------------------------------------------
+
+
+class Commits:
+    """The bisect's handler for the commits of GOOD..BAD (see :class:`kvcompat.bisection.Handler`).
 
     ``run`` puts an overlaid wheel to the suite and returns (cell id, result); ``fingerprint(base)``
     names everything besides the tree that a recorded result must share (suite, torch, overrides);
-    ``force`` evaluates every commit again (its record is rewritten).
+    ``force`` evaluates every commit again (its record is rewritten).  Both ends must be laid over a
+    release before any cell runs: a refusal there is bad input.
     """
-    commits = commits_between(history.repo, good, bad, find_fix=find_fix)
-    by_sha = {c.sha: c for c in commits}
-    # Both ends must be testable before any cell runs: a refusal there is bad input.
-    newer, older = (("GOOD", good), ("BAD", bad)) if find_fix else (("BAD", bad), ("GOOD", good))
-    for commit, (role, ref) in ((commits[-1], newer), (commits[0], older)):  # checked in the search's order
-        try:
-            history.base_sharing_compiled(commit, since=commits[0])
-        except Refused as exc:
-            pick = f"pick a {role} older than {exc.origin.short}, or one" if exc.origin else f"pick a {role}"
-            raise bis.BisectError(
-                f"{role} {ref}: {exc} (or {pick} whose compiled sources match a release's; "
-                "`kvcompat qualify WHEEL` takes a built wheel)"
-            ) from None
-    n = len(commits) - 1
-    budget = bis.cell_budget(len(commits), check_older=True)
-    goal = f"the fix of {test!r}" if find_fix else repr(test)
-    say(
-        f"bisecting {n} commit{'s' if n != 1 else ''} of {history.repo} after {commits[0].label} up to "
-        f"{commits[-1].label} (first parents) for {goal}; at most {budget} cells (ceil(log2 {n}) + 2), "
-        "one more for each cell whose step is skipped"
-    )
 
-    def evaluate(sha: str) -> bis.Step:
-        commit = by_sha[sha]
+    noun = "commit"
+    check_older = True  # as git bisect: neither end is taken on trust
+
+    def __init__(
+        self,
+        bases: Bases,
+        good: str,
+        bad: str,
+        *,
+        test: str,
+        run: Callable[[Overlay], tuple[str, CellResult]],
+        fingerprint: Callable[[str], str],
+        records: Records | None = None,
+        force: bool = False,
+        find_fix: bool = False,
+        say: Callable[[str], None] = print,
+        resume: Callable[[str, str], str] | None = None,
+    ) -> None:
+        self.bases, self.repo, self.test, self.run, self.fingerprint = bases, bases.repo, test, run, fingerprint
+        self.records, self.force, self.say, self._resume = records, force, say, resume
+        self.commits = commits_between(bases.repo, good, bad, find_fix=find_fix)
+        self.by_sha = {c.sha: c for c in self.commits}
+        self.items = [c.sha for c in self.commits]
+        newer, older = (("GOOD", good), ("BAD", bad)) if find_fix else (("BAD", bad), ("GOOD", good))
+        first = self.commits[0]
+        for commit, (role, ref) in ((self.commits[-1], newer), (first, older)):  # in the search's order
+            try:
+                bases.base_sharing_compiled(commit, since=first)
+            except Refused as exc:
+                pick = f"pick a {role} older than {exc.origin.short}, or one" if exc.origin else f"pick a {role}"
+                raise bis.BisectError(
+                    f"{role} {ref}: {exc} (or {pick} whose compiled sources match a release's; "
+                    "`kvcompat qualify WHEEL` takes a built wheel)"
+                ) from None
+
+    def header(self) -> str:
+        n = len(self.commits) - 1
+        return (
+            f"{n} commit{'s' if n != 1 else ''} of {self.repo} after {self.commits[0].label} up to "
+            f"{self.commits[-1].label} (first parents)"
+        )
+
+    def commit(self, sha: str) -> Commit:
+        return self.by_sha[sha]
+
+    def name(self, sha: str) -> str:
+        return self.by_sha[sha].label
+
+    def full(self, sha: str) -> str:
+        return f"{sha} {self.by_sha[sha].subject}"
+
+    def evaluate(self, sha: str) -> bis.Step:
+        commit = self.by_sha[sha]
         try:
-            base = history.base_sharing_compiled(commit, since=commits[0])
+            base = self.bases.base_sharing_compiled(commit, since=self.commits[0])
         except Refused as exc:
             return bis.Step(sha, bis.Verdict.SKIP, str(exc).removeprefix(commit.label + " "), cell=False)
-        key = fingerprint(base)
-        found = records.get(commit, key) if records is not None and not force else None
+        key = self.fingerprint(base)
+        found = self.records.get(commit, key) if self.records is not None and not self.force else None
         if found is not None and crashed(found[1]):  # a crash is no verdict on the tree: not kept as one
             found = None
         if found is not None:
             cell, result = found
-            say(f"    answered from {cell}'s result (this tree was evaluated before)")
+            self.say(f"    answered from {cell}'s result (this tree was evaluated before)")
         else:
             t0 = time.monotonic()
             try:
-                overlay = history.overlay(commit, since=commits[0])
+                laid = overlay(self.bases, commit, since=self.commits[0])
             except (Refused, OSError, RuntimeError, zipfile.BadZipFile) as exc:  # never good or bad
                 return bis.Step(sha, bis.Verdict.SKIP, f"could not be built: {exc}", cell=False)
-            files = ", ".join(overlay.changed[:3]) + (" …" if len(overlay.changed) > 3 else "")
-            say(
-                f"    vllm {overlay.base}'s wheel with {len(overlay.changed)} Python file(s) of the commit laid over "
+            files = ", ".join(laid.changed[:3]) + (" …" if len(laid.changed) > 3 else "")
+            self.say(
+                f"    vllm {laid.base}'s wheel with {len(laid.changed)} Python file(s) of the commit laid over "
                 f"it{': ' + files if files else ''} ({time.monotonic() - t0:.0f}s)"
             )
-            cell, result = run(overlay)
-            if records is not None:
-                records.put(commit, key, overlay, cell)
-        step = bis.verdict_for(result, test)
-        return dataclasses.replace(step, version=sha)
+            cell, result = self.run(laid)
+            if self.records is not None:
+                self.records.put(commit, key, laid, cell)
+        return bis.verdict_for(result, self.test)
 
-    def name(sha: str) -> str:
-        return by_sha[sha].label
+    def resume(self, good: str, bad: str) -> str | None:
+        return self._resume(good[:12], bad[:12]) if self._resume is not None else None
 
-    res = bis.bisect(
-        [c.sha for c in commits],
-        evaluate,
-        say=say,
-        resume=(lambda g, b: resume(g[:12], b[:12])) if resume is not None else None,
-        find_fix=find_fix,
-        check_older=True,
-        name=name,
-        noun="commit",
-    )
-    return CommitAnswer(res, by_sha, n)
+    def changes(self, older: str, newer: str) -> tuple[str, list[bis.FileChange]]:
+        return f"{older[:10]} and {newer[:10]}", connector_changes(self.repo, older, newer)
+
+    def link(self, older: str, newer: str) -> str:
+        return f"show it: git -C {self.repo} show {newer}"
 
 
 def connector_changes(repo: Path, older: str, newer: str) -> list[bis.FileChange]:
@@ -552,42 +549,7 @@ def connector_changes(repo: Path, older: str, newer: str) -> list[bis.FileChange
     return changes
 
 
-def render_answer(answer: CommitAnswer, repo: Path) -> str:
-    res = answer.result
-    budget = bis.cell_budget(answer.n + 1, check_older=True) + res.skipped_cells
-    skips = f", + {res.skipped_cells} for the cells skipped" if res.skipped_cells else ""
-    full = {"older": answer.older, "newer": answer.newer}
-    if res.find_fix:
-        lines = [
-            "",
-            f"first good commit: {full['newer'].sha} {full['newer'].subject}",
-            f"last bad commit:   {full['older'].sha} {full['older'].subject}",
-        ]
-        boundary = "first good"
-    else:
-        lines = [
-            "",
-            f"first bad commit: {full['newer'].sha} {full['newer'].subject}",
-            f"last good commit: {full['older'].sha} {full['older'].subject}",
-        ]
-        boundary = "first bad"
-    if res.untested_between:
-        skipped = ", ".join(answer.commits[s].label for s in res.untested_between)
-        lines.append(f"  (could not test {skipped} in between: the {boundary} commit may be one of them)")
-    lines.append(
-        f"cells evaluated: {res.cells_evaluated} (at most {budget}: ceil(log2 {answer.n}) + 2 for {answer.n} "
-        f"commit{'s' if answer.n != 1 else ''}{skips})"
-    )
-    changes = connector_changes(repo, answer.older.sha, answer.newer.sha)
-    lines.append(
-        f"connector sources changed between {answer.older.short} and {answer.newer.short}: {len(changes)} file(s)"
-    )
-    lines += [f"  {c.status:8} +{c.added:<5} -{c.removed:<5} {c.path}" for c in changes]
-    lines.append(f"show it: git -C {repo} show {answer.newer.sha}")
-    return "\n".join(lines)
-
-
-# -- the front door's function ---------------------------------------------------------------------------
+# -- the front door's --------------------------------------------------------------------------------
 
 
 def check_options(values: Namespace) -> None:
@@ -602,45 +564,29 @@ def check_options(values: Namespace) -> None:
             raise bis.BisectError(f"{flag} does not go with --repo ({why}); drop it")
 
 
-def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) -> CommitAnswer:
-    """``kvcompat bisect --repo PATH GOOD BAD --test T``: the first bad commit (bad input raises, one line)."""
+def handler(root: Path, values: Namespace, cells: bis.Cells, say: Callable[[str], None]) -> Commits:
+    """``kvcompat bisect --repo PATH GOOD BAD --test T``: the commits of GOOD..BAD (bad input raises, one line)."""
     from kvcompat import index, upstream
-    from kvcompat.cells import resolve_entry
     from kvcompat.matrix import Entry
     from kvcompat.options import command_line
     from kvcompat.results import check_result, result_path
     from kvcompat.run.cellfiles import CellFiles
-    from kvcompat.run.options import RunOptions
     from kvcompat.run.resolve import suite_hash
-    from kvcompat.run.workflow import run_cell
-    from kvcompat.sessions import cell_venv, prune_venv
 
     check_options(values)
     bis.check_test(values.test, root)  # a name no test has is refused before the checkout is read
     repo = open_repo(Path(values.repo))
     state = root / ".kvcompat" / "bisect"
-    results_dir = state / "results"
+    opts = dataclasses.replace(cells.opts, results_dir=state / "results")
 
     @functools.cache
     def listed() -> list[Version]:
         return index.list_versions("vllm", cache_root=root, index_url=values.index_url)
 
-    releases = Releases(
+    releases = ReleaseFiles(
         listed=listed,
         wheel=lambda v: index.download_wheel("vllm", v, root / ".kvcompat" / "wheels", values.index_url),
         sdist=lambda v: upstream.download_sdist_cached(v, root / ".kvcompat" / "sdists", values.index_url),
-    )
-    history = History(repo, releases, root / ".kvcompat" / "candidates")
-    opts = RunOptions(
-        repo=root,
-        results_dir=results_dir,
-        force=values.force,
-        min_free_gb=values.min_free_gb,
-        disk_budget_gb=values.disk_budget,
-        shapes=getattr(values, "shapes", ()),
-        find_links=values.find_links,
-        index_url=values.index_url,
-        upstream_index=values.index_url,
     )
 
     def overrides(base: str) -> tuple[str, ...]:
@@ -650,26 +596,27 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
         suite = suite_hash(root, opts.suite)
         return json.dumps({"suite": suite, "torch": values.torch, "overrides": list(overrides(base))}, sort_keys=True)
 
-    def run(overlay: Overlay) -> tuple[str, CellResult]:
-        entry = Entry(vllm=overlay.wheel, overrides=overrides(overlay.base), suites=("ours",), torch=(values.torch,))
-        cell = resolve_entry(root, entry, index_url=values.index_url, find_links=values.find_links)
-        result = run_cell(cell, cell_venv(root, cell), opts, progress=lambda s: say("    " + s))
+    def progress(line: str) -> None:
+        say("    " + line)
+
+    def run(laid: Overlay) -> tuple[str, CellResult]:
+        entry = Entry(vllm=laid.wheel, overrides=overrides(laid.base), suites=("ours",), torch=(values.torch,))
+        cell, result = cells.run(entry, opts, progress)
         if crashed(result):  # a signal, not a verdict on the commit: one more try before the step is a skip
             say(f"    {result.detail.splitlines()[0][:120]}: running the cell once more")
-            again = dataclasses.replace(opts, force=True)
-            result = run_cell(cell, cell_venv(root, cell), again, progress=lambda s: say("    " + s))
+            cell, result = cells.run(entry, dataclasses.replace(opts, force=True), progress)
         # A commit's cell is answered from its result from now on: its venv and bytecode go (uv's cache keeps
         # the wheels, and the overlaid wheel stays in .kvcompat/candidates for a rerun).
-        prune_venv(root, cell, lambda s: say("    " + s))
-        shutil.rmtree(CellFiles(opts.work_root / cell.id, results_dir, cell.id).bytecode, ignore_errors=True)
+        cells.prune(cell, progress)
+        shutil.rmtree(CellFiles(opts.work_root / cell.id, opts.results_dir, cell.id).bytecode, ignore_errors=True)
         return cell.id, result
 
     def load(cell: str) -> CellResult | None:
-        found = check_result(result_path(results_dir, cell))
+        found = check_result(result_path(opts.results_dir, cell))
         return found if isinstance(found, CellResult) else None
 
-    answer = bisect_commits(
-        history,
+    return Commits(
+        Bases(repo, releases, root / ".kvcompat" / "candidates"),
         values.good,
         values.bad,
         test=values.test,
@@ -681,5 +628,3 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
         say=say,
         resume=lambda good, bad: command_line("bisect", {**vars(values), "good": good, "bad": bad}),
     )
-    say(render_answer(answer, repo))
-    return answer

@@ -1,13 +1,17 @@
-"""Find the first vLLM release where a test stops passing, or (``--find-fix``) passes again.
+"""One bisect: the first item of an ordered list where a test stops passing, or (``find_fix``) passes again.
 
-``nox -s bisect -- --test T --good V1 --bad V2`` lists the releases between V1
-and V2 (index or wheelhouse), checks both ends, then binary-searches.  With
-``--find-fix --bad OLD --good NEW`` the ends swap places: OLD fails, NEW passes,
-and the search finds the first good release after the bad one.  Each
-release is a normal matrix cell (same venv, same result cache), so a cell the
-matrix already ran costs only its resolve.  A release that cannot be resolved,
-installed or imported, or where the test is not applicable, is *skipped*:
-never counted as good or bad.
+The items are vLLM releases (:mod:`kvcompat.bisect_releases`) or the commits of a git checkout
+(:mod:`kvcompat.bisect_commits`).  A *handler* knows its items: it lists them, puts one to the test
+(a :class:`Step`: good, bad or skip, and why) and names them; everything else is here, once:
+
+- :func:`search`, the binary search over the list's indexes: good, bad or skip, no I/O.
+- :func:`cell_budget`, the most cells it takes; each step skipped after its cell ran adds one.
+- :func:`verdict_for`, what a cell's result says about ``--test``, and :func:`check_test`, which
+  refuses a name no test of the suite has.
+- :func:`run`, a handler's list through the search with a line per step, and :func:`render_answer`.
+
+An item that cannot be resolved, built, installed or imported, or where the test is not applicable, is
+*skipped*: never counted as good or bad.
 """
 
 from __future__ import annotations
@@ -18,18 +22,23 @@ import difflib
 import enum
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
-from packaging.version import InvalidVersion, Version
-
-from kvcompat import index
 from kvcompat.errors import KvcompatError
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.results import CellResult, headline
 
-# Outcomes that say nothing about the test: the release could not be put to it.
+if TYPE_CHECKING:
+    from kvcompat.cells import Cell
+    from kvcompat.matrix import Entry
+    from kvcompat.run.options import RunOptions
+
+# Outcomes that say nothing about the test: the item could not be put to it.
 INFRASTRUCTURE = (Outcome.UNRESOLVABLE, Outcome.INSTALL_ERROR, Outcome.IMPORT_ERROR, Outcome.TIMEOUT)
+# The connector sources a bisect's answer lists the changes of.
+CONNECTOR_DIRS = ("vllm/distributed/kv_transfer/", "vllm/v1/simple_kv_offload/", "vllm/v1/kv_offload/")
 
 
 class BisectError(KvcompatError):
@@ -44,10 +53,10 @@ class Verdict(str, enum.Enum):
 
 @dataclasses.dataclass
 class Step:
-    version: str
+    item: str  # the release or the commit (its full hash)
     verdict: Verdict
     why: str  # one line: the test's outcome or the cell's status
-    seconds: float = 0.0  # the step's wall time (set by bisect)
+    seconds: float = 0.0  # the step's wall time (set by run)
     cell: bool = True  # False: decided without a cell (a commit refused before building), never counted as one
 
 
@@ -58,9 +67,10 @@ class BisectResult:
     older: str
     newer: str
     steps: list[Step]
-    untested_between: list[str]  # skipped releases that may hold the boundary
+    untested_between: list[str]  # skipped items that may hold the boundary
     find_fix: bool = False
     n: int = 0  # the items searched, both ends included
+    check_older: bool = False
 
     @property
     def cells_evaluated(self) -> int:
@@ -87,36 +97,15 @@ class BisectResult:
         return self.newer if self.find_fix else None
 
 
-def releases_between(available: list[Version], good: str, bad: str, *, pre: bool, find_fix: bool = False) -> list[str]:
-    """The releases from ``good`` to ``bad`` (with ``find_fix``: ``bad`` to ``good``) inclusive, in packaging order."""
-    known = {str(v) for v in available}
-    for flag, value in (("--good", good), ("--bad", bad)):
-        try:
-            Version(value)
-        except InvalidVersion:
-            raise BisectError(f"{flag} {value!r} is not a version; give a release such as 0.26.0") from None
-        if value not in known:
-            raise BisectError(
-                f"{flag} {value} is not a known release; nearest on the index: "
-                f"{index.nearest_versions(available, Version(value))}"
-            )
-    if find_fix:
-        lo, hi = Version(bad), Version(good)
-        if lo >= hi:
-            raise BisectError(
-                f"with --find-fix, --bad {bad} must be older than --good {good} (the fix comes after the break); "
-                "swap them, or drop --find-fix to find where the test broke"
-            )
-    else:
-        lo, hi = Version(good), Version(bad)
-        if lo >= hi:
-            raise BisectError(
-                f"--good {good} must be older than --bad {bad}; swap them to find where the test broke, "
-                "or add --find-fix to find the release that fixed it"
-            )
-    out = [v for v in sorted(available) if lo <= v <= hi and (pre or not v.is_prerelease or v in (lo, hi))]
-    return [str(v) for v in out]
+@dataclasses.dataclass(frozen=True)
+class FileChange:
+    path: str
+    added: int
+    removed: int
+    status: str  # modified | added | removed
 
+
+# -- the test: which tests a bisect can name, and what a cell says of one ---------------------------
 
 SUITE = "tests/connectors"  # what a bisect step runs (release and commit cells alike: our suite only)
 
@@ -176,35 +165,100 @@ def check_test(test: str, root: Path, suite: str = SUITE) -> None:
 
 def verdict_for(result: CellResult, test: str) -> Step:
     """What a cell result says about ``test``: good, bad, or skip (and why)."""
-    version = result.cell["vllm"]
+    item = result.cell["vllm"]
     if not result.tests or result.outcome in INFRASTRUCTURE:
-        return Step(version, Verdict.SKIP, f"cell {result.outcome.label}: {result.detail}")
+        return Step(item, Verdict.SKIP, f"cell {result.outcome.label}: {result.detail}")
     matched = [t for t in result.tests if t.nodeid == test or test in t.nodeid]
     collection_errors = [t for t in result.tests if "::" not in t.nodeid and t.outcome is TestOutcome.ERROR]
     if not matched and collection_errors:
-        return Step(
-            version, Verdict.BAD, f"suite failed to collect: {(collection_errors[0].message or '').strip()[:160]}"
-        )
+        return Step(item, Verdict.BAD, f"suite failed to collect: {(collection_errors[0].message or '').strip()[:160]}")
     if not matched:
         names = ", ".join(sorted({t.nodeid.split("::")[-1] for t in result.tests})[:8])
         raise BisectError(f"--test {test!r} matches no test in {result.id}; use a node id or keyword such as: {names}")
     blocked = [t for t in matched if t.blocked_by is not None]
     matched = [t for t in matched if t.blocked_by is None]
     if blocked and not matched:  # a setup step another contract owns failed: no verdict on this test
-        return Step(version, Verdict.SKIP, f"blocked by {blocked[0].blocked_by}: {headline(blocked[0].message)}")
+        return Step(item, Verdict.SKIP, f"blocked by {blocked[0].blocked_by}: {headline(blocked[0].message)}")
     outcomes = {t.outcome for t in matched}
     bad = (TestOutcome.FAILED, TestOutcome.UNSUPPORTED, TestOutcome.ERROR)  # unsupported is a verdict, like fail
     names = ", ".join(t.nodeid.split("::")[-1] for t in matched if t.outcome in bad)
     if outcomes & set(bad):
         first = next(t for t in matched if t.outcome in bad)
-        return Step(version, Verdict.BAD, f"{names}: {first.outcome.value}: {headline(first.message)}")
+        return Step(item, Verdict.BAD, f"{names}: {first.outcome.value}: {headline(first.message)}")
     if outcomes == {TestOutcome.PASSED}:
-        return Step(version, Verdict.GOOD, f"{len(matched)} matching test(s) passed")
-    return Step(version, Verdict.SKIP, "test not applicable to this release")
+        return Step(item, Verdict.GOOD, f"{len(matched)} matching test(s) passed")
+    return Step(item, Verdict.SKIP, "test not applicable to this release")
+
+
+# -- the search ------------------------------------------------------------------------------------
+
+
+class Side(enum.Enum):
+    """What a step showed, in the search's terms: the older end's verdict, the newer end's, or neither."""
+
+    OLD = "old"
+    NEW = "new"
+    SKIP = "skip"
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """The index the search asks about next, and what it knows: ``lo`` is the newest index shown old (-1:
+    none yet, the older end taken on the user's word), ``hi`` the oldest shown new."""
+
+    index: int
+    lo: int
+    hi: int
+    end: bool  # an end checked before the search proper
+
+
+@dataclasses.dataclass(frozen=True)
+class Bracket:
+    lo: int
+    hi: int
+    skipped: tuple[int, ...]  # skipped indexes between lo and hi: the boundary may be at any of them
+
+
+class WrongEnd(Exception):
+    """An end of the range did not show the verdict the user gave it (``index`` is 0 or n - 1)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.index = index
+
+
+def search(n: int, *, check_older: bool = False) -> Generator[Probe, Side, Bracket]:
+    """The binary search over indexes ``0 .. n-1``: it yields each :class:`Probe` and is sent what it showed.
+
+    The newer end (``n - 1``) first: it must be new, or there is nothing to find.  The older end is the
+    search's first candidate (with ``check_older``, checked second instead).  Then the median of the
+    untested indexes between the two narrowest verdicts, the older of two medians: a verdict halves the
+    candidates, a skip removes one, so each skip costs at most one cell more than :func:`cell_budget`.
+    Raises :class:`WrongEnd` when an end is not as given; returns the :class:`Bracket`.
+    """
+    if (yield Probe(n - 1, -1, n - 1, end=True)) is not Side.NEW:
+        raise WrongEnd(n - 1)
+    lo, hi, skipped = -1, n - 1, set()
+    if check_older:
+        if (yield Probe(0, lo, hi, end=True)) is not Side.OLD:
+            raise WrongEnd(0)
+        lo = 0
+    while untested := [i for i in range(lo + 1, hi) if i not in skipped]:
+        mid = untested[(len(untested) - 1) // 2]
+        side = yield Probe(mid, lo, hi, end=False)
+        if side is Side.OLD:
+            lo = mid
+        elif side is Side.NEW:
+            hi = mid
+        else:
+            skipped.add(mid)
+    if lo < 0:  # the older end showed the new verdict, or could not be put to the test
+        raise WrongEnd(0)
+    return Bracket(lo, hi, tuple(i for i in sorted(skipped) if lo < i < hi))
 
 
 def cell_budget(n: int, *, check_older: bool = False) -> int:
-    """Most cells a bisect over ``n`` releases evaluates when none is skipped.
+    """Most cells a bisect over ``n`` items evaluates when no step is skipped after its cell ran.
 
     The newer end is checked first (it must show the new verdict, or there is nothing to
     find).  The older end is not checked up front: it is the search's first candidate, so
@@ -215,9 +269,8 @@ def cell_budget(n: int, *, check_older: bool = False) -> int:
     second cell, and the boundary is one of the ``n - 1`` places after it: ceil(log2 (n-1)) + 2,
     that is at most ceil(log2 N) + 2 for the N commits of GOOD..BAD.
 
-    A step skipped after its cell ran narrows nothing: the bound grows by one for each (the search
-    takes the median of the candidates left, so a verdict halves them and a skip removes one); a step
-    decided without a cell costs nothing.
+    A skipped step whose cell ran narrows nothing: the bound grows by one for each (see :func:`search`);
+    a step decided without a cell costs nothing.
     """
     if check_older:
         return math.ceil(math.log2(max(n - 1, 1))) + 2
@@ -225,161 +278,157 @@ def cell_budget(n: int, *, check_older: bool = False) -> int:
 
 
 def skipped_cells(steps: list[Step]) -> int:
-    """The steps that ran a cell and were skipped: each adds one to :func:`cell_budget`."""
     return sum(s.cell and s.verdict is Verdict.SKIP for s in steps)
 
 
-def bisect(
-    versions: list[str],
-    evaluate: Callable[[str], Step],
-    *,
-    say: Callable[[str], None] = print,
-    resume: Callable[[str, str], str] | None = None,
-    find_fix: bool = False,
-    check_older: bool = False,
-    name: Callable[[str], str] = str,
-    noun: str = "release",
-) -> BisectResult:
-    """Binary search for the first bad release; ``versions[0]`` must be good and ``versions[-1]`` bad.
+def formula(n: int, noun: str, *, check_older: bool = False) -> str:
+    """How :func:`cell_budget` counts ``n`` items: ``ceil(log2 4) + 2 for 4 commits``."""
+    places, extra = (n - 1, 2) if check_older else (n, 1)
+    return f"ceil(log2 {places}) + {extra} for {places} {noun}{'s' if places != 1 else ''}"
 
-    With ``find_fix`` the verdicts swap: ``versions[0]`` must be bad, ``versions[-1]`` good, and the
-    answer is the first good release.  Both ways the same skip rules and the same budget hold, and
-    ``resume`` gets (good, bad) as the options of the resumed command take them.  Each step's
-    line gives its wall time.  ``check_older`` checks the older end second instead of trusting it
-    (see :func:`cell_budget`); ``name`` is how a step's line shows an item (a commit's hash and subject),
-    ``noun`` what the items are in the errors' fixes.
-    A step whose ``cell`` is False costs no cell: it is listed, skipped, and not counted.
+
+# -- one bisect, whatever the items ------------------------------------------------------------------
+
+
+class Handler(Protocol):
+    """What a kind of item brings to :func:`run`."""
+
+    noun: str  # "release" or "commit"
+    items: list[str]  # oldest first, both ends included
+    check_older: bool  # check the older end before searching (else take it on the user's word until a step shows it)
+
+    def header(self) -> str: ...  # the range, for the first line: "4 commits of REPO after X up to Y"
+
+    def name(self, item: str) -> str: ...  # in a step's line
+
+    def full(self, item: str) -> str: ...  # in the answer
+
+    def evaluate(self, item: str) -> Step: ...
+
+    def resume(self, good: str, bad: str) -> str | None: ...  # the command that goes on from there
+
+    def changes(self, older: str, newer: str) -> tuple[str, list[FileChange]] | None: ...  # (what, files)
+
+    def link(self, older: str, newer: str) -> str: ...  # the answer's last line: where to read the change
+
+
+@dataclasses.dataclass(frozen=True)
+class Cells:
+    """How a step runs its cell, as the matrix does (:mod:`kvcompat.sessions` fills it in)."""
+
+    opts: RunOptions
+    run: Callable[[Entry, RunOptions, Callable[[str], None]], tuple[Cell, CellResult]]
+    venv: Callable[[Cell], Path]  # the cell's one venv
+    prune: Callable[[Cell, Callable[[str], None]], int]  # delete the cell's venv
+
+
+def run(handler: Handler, *, test: str, find_fix: bool = False, say: Callable[[str], None] = print) -> BisectResult:
+    """Find the first item with the new verdict (bad; with ``find_fix``, good) after the older end.
+
+    Says the range and the bound, a line per step (its cell count against the bound, its verdict and why,
+    its wall time) and the resume command, then the answer.  Bad input raises :class:`BisectError`.
     """
-    if len(versions) < 2:
-        raise BisectError("need at least two releases between --good and --bad")
+    items, noun = handler.items, handler.noun
+    if len(items) < 2:
+        raise BisectError(f"need at least two {noun}s between --good and --bad")
+    n = len(items)
     old, new = (Verdict.BAD, Verdict.GOOD) if find_fix else (Verdict.GOOD, Verdict.BAD)
     old_flag, new_flag = ("--bad", "--good") if find_fix else ("--good", "--bad")
-    n = len(versions)
-    budget = cell_budget(n, check_older=check_older)
+    budget = cell_budget(n, check_older=handler.check_older)
+    goal = f"the fix of {test!r}" if find_fix else repr(test)
+    say(
+        f"bisecting {handler.header()} for {goal}; at most {budget} cells "
+        f"({formula(n, noun, check_older=handler.check_older)}), one more for each cell whose step is skipped"
+    )
     steps: list[Step] = []
 
-    def run(i: int, role: str) -> Step:
+    def step_at(probe: Probe) -> Side:
+        item = items[probe.index]
         t0 = time.monotonic()
-        step = evaluate(versions[i])
+        step = dataclasses.replace(handler.evaluate(item), item=item)
         step.seconds = time.monotonic() - t0
         steps.append(step)
         counter = f"{sum(s.cell for s in steps)}/≤{budget + skipped_cells(steps)}" if step.cell else "no cell"
-        say(
-            f"[{counter}] {name(versions[i])} ({role}): {step.verdict.value.upper()} - {step.why} ({step.seconds:.0f}s)"
-        )
-        return step
-
-    def not_old(first: Step) -> BisectError:
-        fix = f"pick a {noun} where the test fails" if find_fix else f"pick an older {noun} where the test passes"
-        return BisectError(
-            f"{old_flag} {name(versions[0])} is not {old.value} ({first.verdict.value}: {first.why}); {fix}"
-        )
-
-    step = run(n - 1, f"{new_flag} endpoint")
-    if step.verdict is not new:
-        fix = f"pick a newer {noun} where the test passes" if find_fix else f"pick a {noun} where the test fails"
-        raise BisectError(
-            f"{new_flag} {name(versions[-1])} is not {new.value} ({step.verdict.value}: {step.why}); {fix}"
-        )
-
-    # lo = -1: the older end, taken on the user's word until a cell shows it (or, with check_older, now).
-    lo, hi, skipped = -1, n - 1, set()
-    if check_older:
-        step = run(0, f"{old_flag} endpoint")
-        if step.verdict is not old:
-            raise not_old(step)
-        lo = 0
-    while True:
-        untested = [i for i in range(lo + 1, hi) if i not in skipped]
-        if not untested:
-            break
-        mid = untested[(len(untested) - 1) // 2]  # the older median: a verdict halves, a skip removes one
-        role = (
-            f"{old_flag} endpoint"
-            if mid == 0
-            else f"{hi - lo - 1} left between {name(versions[max(lo, 0)])} and {name(versions[hi])}"
-        )
-        step = run(mid, role)
-        if step.verdict is old:
-            lo = mid
-        elif step.verdict is new:
-            hi = mid
+        if probe.index == 0:
+            role = f"{old_flag} endpoint"
+        elif probe.index == n - 1:
+            role = f"{new_flag} endpoint"
         else:
-            skipped.add(mid)
-        if lo >= 0 and resume is not None:
-            good, bad = (versions[hi], versions[lo]) if find_fix else (versions[lo], versions[hi])
-            say("  resume with: " + resume(good, bad))
-    if lo < 0:  # the older end showed the new verdict, or could not be put to the test
-        raise not_old(next(s for s in steps if s.version == versions[0]))
-    untested = [versions[i] for i in sorted(skipped) if lo < i < hi]
-    return BisectResult(versions[lo], versions[hi], steps, untested, find_fix=find_fix, n=n)
+            between = f"{handler.name(items[max(probe.lo, 0)])} and {handler.name(items[probe.hi])}"
+            role = f"{probe.hi - probe.lo - 1} left between {between}"
+        verdict = f"{step.verdict.value.upper()} - {step.why}"
+        say(f"[{counter}] {handler.name(item)} ({role}): {verdict} ({step.seconds:.0f}s)")
+        return Side.OLD if step.verdict is old else Side.NEW if step.verdict is new else Side.SKIP
 
-
-# -- what changed between the two wheels -------------------------------------------------
-
-CONNECTOR_DIRS = ("vllm/distributed/kv_transfer/", "vllm/v1/simple_kv_offload/", "vllm/v1/kv_offload/")
-
-
-@dataclasses.dataclass
-class FileChange:
-    path: str
-    added: int
-    removed: int
-    status: str  # modified | added | removed
-
-
-def diff_trees(old_root: Path, new_root: Path, prefixes: tuple[str, ...] = CONNECTOR_DIRS) -> list[FileChange]:
-    """+/- line counts per changed .py file under ``prefixes`` between two site-packages trees."""
-
-    def files(root: Path) -> dict[str, Path]:
-        out = {}
-        for prefix in prefixes:
-            base = root / prefix
-            for p in base.rglob("*.py") if base.is_dir() else []:
-                out[str(p.relative_to(root))] = p
-        return out
-
-    old, new = files(old_root), files(new_root)
-    changes = []
-    for path in sorted(old.keys() | new.keys()):
-        a = old[path].read_text(errors="replace").splitlines() if path in old else []
-        b = new[path].read_text(errors="replace").splitlines() if path in new else []
-        if a == b:
-            continue
-        added = removed = 0
-        for line in difflib.unified_diff(a, b, lineterm="", n=0):
-            if line.startswith("+") and not line.startswith("+++"):
-                added += 1
-            elif line.startswith("-") and not line.startswith("---"):
-                removed += 1
-        status = "added" if path not in old else "removed" if path not in new else "modified"
-        changes.append(FileChange(path, added, removed, status))
-    return changes
-
-
-def compare_url(older: str, newer: str) -> str:
-    return f"https://github.com/vllm-project/vllm/compare/v{older}...v{newer}"
-
-
-def render_answer(res: BisectResult, changes: list[FileChange] | None) -> str:
-    if res.find_fix:
-        lines = ["", f"first good: {res.first_good} (last bad: {res.last_bad})"]
-        boundary = "first good"
-    else:
-        lines = ["", f"last good: {res.last_good}", f"first bad: {res.first_bad}"]
-        boundary = "first bad"
-    if res.untested_between:
-        lines.append(
-            f"  (could not test {', '.join(res.untested_between)} in between: the {boundary} release may be one of them)"
+    def wrong_end(index: int) -> BisectError:
+        step = next(s for s in steps if s.item == items[index])
+        if index == n - 1:
+            fix = f"pick a newer {noun} where the test passes" if find_fix else f"pick a {noun} where the test fails"
+            flag, want = new_flag, new
+        else:
+            fix = f"pick a {noun} where the test fails" if find_fix else f"pick an older {noun} where the test passes"
+            flag, want = old_flag, old
+        return BisectError(
+            f"{flag} {handler.name(items[index])} is not {want.value} ({step.verdict.value}: {step.why}); {fix}"
         )
-    skips = f", + {res.skipped_cells} for the cells skipped" if res.skipped_cells else ""
-    bound = cell_budget(res.n) + res.skipped_cells
-    lines.append(
-        f"cells evaluated: {res.cells_evaluated} (at most {bound}: ceil(log2 {res.n}) + 1 for {res.n} releases{skips})"
+
+    walk = search(n, check_older=handler.check_older)
+    probe = next(walk)
+    while True:
+        side = step_at(probe)
+        try:
+            after: Probe | Bracket = walk.send(side)
+        except StopIteration as stop:
+            after = stop.value
+        except WrongEnd as exc:
+            raise wrong_end(exc.index) from None
+        if not probe.end and after.lo >= 0:
+            good, bad = (items[after.hi], items[after.lo]) if find_fix else (items[after.lo], items[after.hi])
+            resume = handler.resume(good, bad)
+            if resume:
+                say("  resume with: " + resume)
+        if isinstance(after, Bracket):
+            break
+        probe = after
+    result = BisectResult(
+        items[after.lo],
+        items[after.hi],
+        steps,
+        [items[i] for i in after.skipped],
+        find_fix=find_fix,
+        n=n,
+        check_older=handler.check_older,
     )
-    lines.append(f"compare: {compare_url(res.older, res.newer)}")
+    say(render_answer(result, handler))
+    return result
+
+
+def render_answer(res: BisectResult, handler: Handler) -> str:
+    """The answer: the boundary's two items, the untested ones that may hold it, the cells against the bound,
+    the connector sources changed across it, and where to read the change."""
+    noun = handler.noun
+    (first, newer), (last, older) = (
+        (("first good", res.newer), ("last bad", res.older))
+        if res.find_fix
+        else (("first bad", res.newer), ("last good", res.older))
+    )
+    width = max(len(first), len(last)) + len(noun) + 2
+    lines = ["", f"{first} {noun}:".ljust(width) + " " + handler.full(newer)]
+    lines.append(f"{last} {noun}:".ljust(width) + " " + handler.full(older))
+    if res.untested_between:
+        skipped = ", ".join(handler.name(s) for s in res.untested_between)
+        lines.append(f"  (could not test {skipped} in between: the {first} {noun} may be one of them)")
+    skips = res.skipped_cells
+    more = f", + {skips} for the cell{'s' if skips != 1 else ''} skipped" if skips else ""
+    bound = cell_budget(res.n, check_older=res.check_older) + skips
+    lines.append(
+        f"cells evaluated: {res.cells_evaluated} (at most {bound}: "
+        f"{formula(res.n, noun, check_older=res.check_older)}{more})"
+    )
+    changes = handler.changes(res.older, res.newer)
     if changes is not None:
-        lines.append(f"connector sources changed between {res.older} and {res.newer}: {len(changes)} file(s)")
-        for c in changes:
-            lines.append(f"  {c.status:8} +{c.added:<5} -{c.removed:<5} {c.path}")
+        what, files = changes
+        lines.append(f"connector sources changed between {what}: {len(files)} file(s)")
+        lines += [f"  {c.status:8} +{c.added:<5} -{c.removed:<5} {c.path}" for c in files]
+    lines.append(handler.link(res.older, res.newer))
     return "\n".join(lines)

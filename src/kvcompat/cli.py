@@ -77,10 +77,6 @@ def run(argv: list[str]) -> int:
         print(sessions.show(sessions.find_result(root, ns.cell)))
     elif ns.command == "list":
         print(sessions.list_cells(root, sessions.matrix_cells(root, ns)))
-    elif ns.command == "bisect" and ns.repo is not None:
-        from kvcompat import bisect_commits
-
-        bisect_commits.bisect(root, ns)
     elif ns.command == "bisect":
         sessions.bisect(root, ns)
     elif ns.command == "qualify":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import sys
-import zipfile
 from argparse import Namespace
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +26,6 @@ from kvcompat.report.write import write_reports
 from kvcompat.results import CellResult, UnreadableResult, check_result, result_path
 from kvcompat.run.options import RunOptions
 from kvcompat.run.workflow import run_cell
-
-SITE = "lib/python3.11/site-packages"
 
 
 def cell_venv(root: Path, cell: Cell) -> Path:
@@ -240,119 +237,35 @@ def list_cells(root: Path, cells: list[Cell]) -> str:
 
 
 def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) -> bis.BisectResult:
-    """Find the first bad release between ``values.good`` and ``values.bad`` (bad input raises, one line);
-    with ``values.find_fix`` the first good release after the bad one."""
-    bis.check_test(values.test, root)  # before the index is asked or a cell runs
-    env = values.env or ("today" if values.wheelhouse else "as-released")
-    available = index.list_versions(
-        values.dist, cache_root=root, index_url=values.index_url, wheelhouse=values.wheelhouse
-    )
-    find_fix = bool(getattr(values, "find_fix", False))
-    versions = bis.releases_between(available, values.good, values.bad, pre=values.pre, find_fix=find_fix)
-    budget = bis.cell_budget(len(versions))
-    goal = f"the fix of {values.test!r}" if find_fix else repr(values.test)
-    say(
-        f"bisecting ({env}) {len(versions)} {values.dist} releases {versions[0]} .. {versions[-1]} for {goal} "
-        f"(torch {values.torch}); at most {budget} cells "
-        f"(ceil(log2 {len(versions)}) + 1), one more for each cell whose step is skipped"
-    )
+    """The first bad release between ``values.good`` and ``values.bad`` (with ``values.find_fix`` the first
+    good one after the bad), or with ``values.repo`` the first bad commit of a vLLM git checkout: one search
+    (:func:`kvcompat.bisection.run`) over the items a handler lists, each step a cell run as the matrix runs
+    it.  Bad input raises, one line."""
+    import functools
+
+    from kvcompat import bisect_commits, bisect_releases
+
     opts = RunOptions(
         repo=root,
         results_dir=root / "results",
         force=values.force,
         min_free_gb=values.min_free_gb,
         disk_budget_gb=values.disk_budget,
-        shapes=values.shapes,
+        shapes=getattr(values, "shapes", ()),
         find_links=values.find_links,
         index_url=values.index_url,
         upstream_index=values.index_url,
     )
-    wheels = {str(v): p for v, p in index.wheels_in(values.wheelhouse, values.dist)} if values.wheelhouse else {}
-    cells: dict[str, Cell] = {}
 
-    def evaluate(version: str) -> bis.Step:
-        spec = wheels.get(version) or Version(version)
-        entry = Entry(vllm=spec, dist=values.dist, torch=(values.torch,), env=(env,))
+    def run(entry: Entry, opts: RunOptions, progress: Callable[[str], None]) -> tuple[Cell, CellResult]:
         cell = resolve_entry(root, entry, index_url=values.index_url, find_links=values.find_links)
-        result = run_cell(cell, cell_venv(root, cell), opts, progress=lambda s: say("    " + s))
-        reused = shared_with_earlier_steps(opts, cell, list(cells.values()))
-        if reused:
-            say("    " + reused)
-        cells[version] = cell
-        return bis.verdict_for(result, values.test)
+        return cell, run_cell(cell, cell_venv(root, cell), opts, progress=progress)
 
-    def resume(good: str, bad: str) -> str:
-        from kvcompat.options import command_line
-
-        return command_line("bisect", {**vars(values), "good": good, "bad": bad})
-
-    res = bis.bisect(versions, evaluate, say=say, resume=resume, find_fix=find_fix)
-    changes = None
-    try:
-        old = connector_tree(root, cells[res.older], values.index_url)
-        new = connector_tree(root, cells[res.newer], values.index_url)
-        changes = bis.diff_trees(old, new)
-    except RuntimeError as exc:
-        say(f"(no source diff: {exc})")
-    say(bis.render_answer(res, changes))
-    return res
-
-
-def shared_with_earlier_steps(opts: RunOptions, cell: Cell, earlier: list[Cell]) -> str | None:
-    """What a bisect step had from the steps before it: the pins its lock shares with theirs.
-
-    uv keeps every wheel it unpacked in its cache and hardlinks it into each venv, so a
-    shared pin (torch and its CUDA libraries above all) is neither downloaded nor stored again.
-    """
-    from kvcompat.index import parse_lock
-    from kvcompat.run.cellfiles import CellFiles
-
-    def pins(c: Cell) -> dict[str, str]:
-        lock = CellFiles(opts.work_root / c.id, opts.results_dir, c.id).lock
-        return parse_lock(lock.read_text()) if lock.is_file() else {}
-
-    mine = pins(cell)
-    if not mine or not earlier:
-        return None
-    seen: dict[str, str] = {}
-    torch_from = None
-    for other in earlier:
-        theirs = pins(other)
-        if torch_from is None and "torch" in mine and theirs.get("torch") == mine["torch"]:
-            torch_from = other.vllm
-        seen.update({n: v for n, v in theirs.items() if mine.get(n) == v})
-    torch = ""
-    if "torch" in mine:
-        torch = f"; torch {mine['torch']} " + (f"as in {torch_from}'s cell" if torch_from else "is new to this bisect")
-    how = (
-        "hardlinked from uv's cache unless --disk-budget evicted them"
-        if opts.disk_budget_gb is not None
-        else "hardlinked from uv's cache, not downloaded again"
+    cells = bis.Cells(opts, run, venv=functools.partial(cell_venv, root), prune=functools.partial(prune_venv, root))
+    handler = bisect_commits.handler if values.repo is not None else bisect_releases.handler
+    return bis.run(
+        handler(root, values, cells, say), test=values.test, find_fix=bool(getattr(values, "find_fix", False)), say=say
     )
-    return f"reuse: {len(seen)} of {len(mine)} pins were installed by earlier steps ({how}){torch}"
-
-
-def connector_tree(root: Path, cell: Cell, index_url: str) -> Path:
-    """A site-packages-like tree holding the cell's vLLM connector sources.
-
-    The cell's venv has them when it was installed; otherwise the release's wheel is
-    fetched once from the same index uv resolves against, and just the connector
-    folders are extracted.
-    """
-    site = cell_venv(root, cell) / SITE
-    if (site / "vllm" / "distributed" / "kv_transfer").is_dir():
-        return site
-    dest = root / ".kvcompat" / "sources" / f"{cell.dist}-{cell.vllm}"
-    if dest.is_dir():
-        return dest
-    wheel = cell.wheel or index.download_wheel(cell.dist, cell.vllm, root / ".kvcompat" / "wheels", index_url)
-    tmp = dest.with_name(dest.name + ".tmp")
-    with zipfile.ZipFile(wheel) as zf:
-        for name in zf.namelist():
-            if name.startswith(bis.CONNECTOR_DIRS):
-                zf.extract(name, tmp)
-    tmp.rename(dest)
-    return dest
 
 
 def qualify(root: Path, values: Namespace, say: Callable[[str], None] = print) -> tuple[int, str]:

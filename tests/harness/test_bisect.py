@@ -1,4 +1,4 @@
-"""Bisect: the search, skips that are never counted, endpoint checks, and the source diff."""
+"""Bisect: the search, skips that are never counted, endpoint checks, the answer, and the source diff."""
 
 import dataclasses
 import math
@@ -7,6 +7,7 @@ import re
 import pytest
 from packaging.version import Version
 
+from kvcompat import bisect_releases as br
 from kvcompat import bisection as bis
 from kvcompat import options
 from kvcompat.options import OptionError
@@ -17,15 +18,55 @@ from helpers import make_result
 VERSIONS = [f"0.{m}.0" for m in range(14, 34)]  # 20 releases
 
 
-def fake(first_bad: str, skip=()):
+class Listed:
+    """A handler over plain items (see kvcompat.bisection.Handler): ``evaluate`` gives each step's verdict."""
+
+    def __init__(self, items, evaluate, *, check_older=False, name=str, resume=None, noun="release"):
+        self.items, self.evaluate, self.check_older, self.name, self._resume = (
+            items,
+            evaluate,
+            check_older,
+            name,
+            resume,
+        )
+        self.noun = noun
+
+    def header(self):
+        return f"{len(self.items)} {self.noun}s"
+
+    def full(self, item):
+        return item
+
+    def resume(self, good, bad):
+        return self._resume(good, bad) if self._resume else None
+
+    def changes(self, older, newer):
+        return None
+
+    def link(self, older, newer):
+        return f"compare: {br.compare_url(older, newer)}"
+
+
+def bisect(versions, evaluate, *, say=print, find_fix=False, **handler):
+    """The one bisect (kvcompat.bisection.run) over ``versions``; its lines go to ``say``."""
+    return bis.run(Listed(versions, evaluate, **handler), test="t", find_fix=find_fix, say=say)
+
+
+def steps(lines):
+    return [line for line in lines if line.startswith("[")]
+
+
+def fake(first_bad: str, skip=(), *, fixed=False):
+    """Good up to ``first_bad``, bad from it on; ``fixed``: the other way round (a regression a later release
+    fixed, ``first_bad`` being the first good one)."""
     calls = []
+    old, new = (bis.Verdict.BAD, bis.Verdict.GOOD) if fixed else (bis.Verdict.GOOD, bis.Verdict.BAD)
 
     def evaluate(v):
         calls.append(v)
         if v in skip:
             return bis.Step(v, bis.Verdict.SKIP, "cell install error")
-        bad = Version(v) >= Version(first_bad)
-        return bis.Step(v, bis.Verdict.BAD if bad else bis.Verdict.GOOD, "x")
+        return bis.Step(v, new if Version(v) >= Version(first_bad) else old, "x")
 
     return evaluate, calls
 
@@ -34,7 +75,7 @@ def fake(first_bad: str, skip=()):
 def test_finds_first_bad_within_budget(first_bad):
     evaluate, calls = fake(first_bad)
     lines = []
-    res = bis.bisect(VERSIONS, evaluate, say=lines.append, resume=lambda g, b: f"--good {g} --bad {b}")
+    res = bisect(VERSIONS, evaluate, say=lines.append, resume=lambda g, b: f"--good {g} --bad {b}")
     assert res.first_bad == first_bad
     assert res.last_good == VERSIONS[VERSIONS.index(first_bad) - 1]
     assert res.cells_evaluated == len(calls) <= math.ceil(math.log2(len(VERSIONS))) + 1
@@ -52,16 +93,16 @@ def test_every_boundary_within_ceil_log2_n_plus_one_cells(n):
         evaluate, calls = fake(versions[first_bad])
         if first_bad == 0:
             with pytest.raises(bis.BisectError, match=f"--good {versions[0]} is not good"):
-                bis.bisect(versions, evaluate, say=lambda s: None)
+                bisect(versions, evaluate, say=lambda s: None)
         else:
-            res = bis.bisect(versions, evaluate, say=lambda s: None)
+            res = bisect(versions, evaluate, say=lambda s: None)
             assert (res.last_good, res.first_bad) == (versions[first_bad - 1], versions[first_bad])
         assert len(calls) <= bis.cell_budget(n) == math.ceil(math.log2(n)) + 1, (n, first_bad, calls)
 
 
 def test_skipped_releases_are_never_counted():
     evaluate, calls = fake("0.24.0", skip={"0.23.0", "0.24.0"})
-    res = bis.bisect(VERSIONS, evaluate, say=lambda s: None)
+    res = bisect(VERSIONS, evaluate, say=lambda s: None)
     # 0.23 and 0.24 could not be tested: the answer brackets them honestly.
     assert (res.last_good, res.first_bad) == ("0.22.0", "0.25.0")
     assert res.untested_between == ["0.23.0", "0.24.0"]
@@ -70,20 +111,20 @@ def test_skipped_releases_are_never_counted():
 def test_endpoints_must_be_good_and_bad():
     evaluate, _ = fake("0.14.0")
     with pytest.raises(bis.BisectError, match="--good 0.14.0 is not good"):
-        bis.bisect(VERSIONS, evaluate, say=lambda s: None)
+        bisect(VERSIONS, evaluate, say=lambda s: None)
     evaluate, _ = fake("0.99.0")
     with pytest.raises(bis.BisectError, match="--bad 0.33.0 is not bad"):
-        bis.bisect(VERSIONS, evaluate, say=lambda s: None)
+        bisect(VERSIONS, evaluate, say=lambda s: None)
 
 
 def test_releases_between():
     avail = [Version(v) for v in ["0.30.0", "0.31.0rc1", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]]
-    assert bis.releases_between(avail, "0.30.0", "0.33.0", pre=False) == ["0.30.0", "0.31.0", "0.32.0", "0.33.0"]
-    assert "0.31.0rc1" in bis.releases_between(avail, "0.30.0", "0.33.0", pre=True)
+    assert br.releases_between(avail, "0.30.0", "0.33.0", pre=False) == ["0.30.0", "0.31.0", "0.32.0", "0.33.0"]
+    assert "0.31.0rc1" in br.releases_between(avail, "0.30.0", "0.33.0", pre=True)
     with pytest.raises(bis.BisectError, match="not a known release; nearest on the index: 0.33.0"):
-        bis.releases_between(avail, "0.30.0", "0.33.5", pre=False)
+        br.releases_between(avail, "0.30.0", "0.33.5", pre=False)
     with pytest.raises(bis.BisectError, match="must be older"):
-        bis.releases_between(avail, "0.33.0", "0.30.0", pre=False)
+        br.releases_between(avail, "0.33.0", "0.30.0", pre=False)
 
 
 def cell_result(outcome, tests):
@@ -129,76 +170,68 @@ def test_diff_trees(tmp_path):
     (new / "vllm/distributed/kv_transfer/multi.py").write_text("a\nB\nc\nd\n")
     (old / "vllm/distributed/kv_transfer/gone.py").write_text("x\n")
     (new / "vllm/other/ignored.py").write_text("zzz\n")
-    changes = {c.path: c for c in bis.diff_trees(old, new)}
+    changes = {c.path: c for c in br.diff_trees(old, new)}
     assert set(changes) == {"vllm/distributed/kv_transfer/multi.py", "vllm/distributed/kv_transfer/gone.py"}
     m = changes["vllm/distributed/kv_transfer/multi.py"]
     assert (m.added, m.removed, m.status) == (2, 1, "modified")
     assert changes["vllm/distributed/kv_transfer/gone.py"].status == "removed"
-    assert bis.compare_url("0.25.1", "0.26.0") == "https://github.com/vllm-project/vllm/compare/v0.25.1...v0.26.0"
+    assert br.compare_url("0.25.1", "0.26.0") == "https://github.com/vllm-project/vllm/compare/v0.25.1...v0.26.0"
 
 
 def fake_fix(first_good: str, skip=()):
     """Bad up to ``first_good``, good from it on (a regression that a later release fixed)."""
-    calls = []
-
-    def evaluate(v):
-        calls.append(v)
-        if v in skip:
-            return bis.Step(v, bis.Verdict.SKIP, "cell install error")
-        good = Version(v) >= Version(first_good)
-        return bis.Step(v, bis.Verdict.GOOD if good else bis.Verdict.BAD, "x")
-
-    return evaluate, calls
+    return fake(first_good, skip, fixed=True)
 
 
 @pytest.mark.parametrize("first_good", ["0.15.0", "0.22.0", "0.27.0", "0.33.0"])
 def test_find_fix_finds_first_good_within_the_same_budget(first_good):
     evaluate, calls = fake_fix(first_good)
     lines = []
-    res = bis.bisect(VERSIONS, evaluate, say=lines.append, resume=lambda g, b: f"--bad {b} --good {g}", find_fix=True)
+    res = bisect(VERSIONS, evaluate, say=lines.append, resume=lambda g, b: f"--bad {b} --good {g}", find_fix=True)
     assert (res.first_good, res.last_bad) == (first_good, VERSIONS[VERSIONS.index(first_good) - 1])
     assert res.last_good is None and res.first_bad is None  # a fix answer never poses as a break answer
     assert res.cells_evaluated == len(calls) <= bis.cell_budget(len(VERSIONS)) == math.ceil(math.log2(20)) + 1
     assert calls[0] == VERSIONS[-1] and len(set(calls)) == len(calls)
-    assert lines[0].startswith(f"[1/≤{bis.cell_budget(20)}] 0.33.0 (--good endpoint): GOOD")
+    assert lines[0].startswith("bisecting 20 releases for the fix of 't'; at most 6 cells (ceil(log2 20) + 1 for 20")
+    assert steps(lines)[0].startswith(f"[1/≤{bis.cell_budget(20)}] 0.33.0 (--good endpoint): GOOD")
     # resume hands the narrowed ends back as --good/--bad: the newer one is still --good
     resumes = [line for line in lines if "resume with" in line]
     assert not resumes or resumes[-1].endswith(f"--bad {res.last_bad} --good {res.first_good}")
-    answer = bis.render_answer(res, [])
-    assert f"first good: {first_good} (last bad: {res.last_bad})" in answer.splitlines()
+    answer = bis.render_answer(res, Listed(VERSIONS, evaluate))
+    assert [f"first good release: {first_good}", f"last bad release:   {res.last_bad}"] == answer.splitlines()[1:3]
     assert f"compare: https://github.com/vllm-project/vllm/compare/v{res.last_bad}...v{first_good}" in answer
     assert "first bad" not in answer and "last good" not in answer
 
 
 def test_find_fix_skips_are_never_counted():
     evaluate, _ = fake_fix("0.24.0", skip={"0.23.0", "0.24.0"})
-    res = bis.bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
+    res = bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
     assert (res.last_bad, res.first_good) == ("0.22.0", "0.25.0")
     assert res.untested_between == ["0.23.0", "0.24.0"]
-    assert "the first good release may be one of them" in bis.render_answer(res, None)
+    assert "the first good release may be one of them" in bis.render_answer(res, Listed(VERSIONS, evaluate))
 
 
 def test_find_fix_endpoints_must_be_bad_then_good():
     evaluate, _ = fake_fix("0.14.0")  # good everywhere: nothing was broken at --bad
     with pytest.raises(bis.BisectError, match="--bad 0.14.0 is not bad"):
-        bis.bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
+        bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
     evaluate, _ = fake_fix("0.99.0")  # never fixed
     with pytest.raises(bis.BisectError, match="--good 0.33.0 is not good .*pick a newer release"):
-        bis.bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
+        bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
     # a break-shaped history is not a fix: the newer end, checked first, must pass
     evaluate, _ = fake("0.20.0")
     with pytest.raises(bis.BisectError, match="--good 0.33.0 is not good"):
-        bis.bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
+        bisect(VERSIONS, evaluate, say=lambda s: None, find_fix=True)
 
 
 def test_find_fix_releases_run_from_bad_to_good():
     avail = [Version(v) for v in ["0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.26.0"]]
-    got = bis.releases_between(avail, "0.26.0", "0.19.1", pre=False, find_fix=True)
+    got = br.releases_between(avail, "0.26.0", "0.19.1", pre=False, find_fix=True)
     assert got == ["0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.26.0"]
     with pytest.raises(bis.BisectError, match="with --find-fix, --bad 0.26.0 must be older than --good 0.19.1"):
-        bis.releases_between(avail, "0.19.1", "0.26.0", pre=False, find_fix=True)
+        br.releases_between(avail, "0.19.1", "0.26.0", pre=False, find_fix=True)
     with pytest.raises(bis.BisectError, match="or add --find-fix"):
-        bis.releases_between(avail, "0.26.0", "0.19.1", pre=False)
+        br.releases_between(avail, "0.26.0", "0.19.1", pre=False)
 
 
 def test_find_fix_option_and_its_resume_command():
@@ -223,9 +256,9 @@ def test_bisect_takes_the_disk_floor_of_the_cells_it_installs():
 
 @pytest.mark.parametrize("budget", [None, 40.0])
 def test_a_step_says_which_pins_and_which_torch_it_had_from_earlier_steps(tmp_path, budget):
+    from kvcompat.bisect_releases import shared_with_earlier_steps
     from kvcompat.cells import Cell
     from kvcompat.run.options import RunOptions
-    from kvcompat.sessions import shared_with_earlier_steps
 
     opts = RunOptions(repo=tmp_path, results_dir=tmp_path / "results", disk_budget_gb=budget)
     locks = {
@@ -261,10 +294,10 @@ def test_checking_both_ends_takes_at_most_ceil_log2_n_plus_2_cells(n):
         evaluate, calls = fake(versions[first_bad])
         if first_bad == 0:
             with pytest.raises(bis.BisectError, match=f"--good {versions[0]} is not good"):
-                bis.bisect(versions, evaluate, say=lambda s: None, check_older=True)
+                bisect(versions, evaluate, say=lambda s: None, check_older=True)
             assert calls == [versions[-1], versions[0]]  # refused at the second cell, before any search
             continue
-        res = bis.bisect(versions, evaluate, say=lambda s: None, check_older=True)
+        res = bisect(versions, evaluate, say=lambda s: None, check_older=True)
         assert (res.last_good, res.first_bad) == (versions[first_bad - 1], versions[first_bad])
         assert calls[:2] == [versions[-1], versions[0]]
         assert len(calls) <= bis.cell_budget(n, check_older=True) == math.ceil(math.log2(n - 1)) + 2
@@ -280,11 +313,12 @@ def test_a_step_without_a_cell_is_skipped_and_not_counted():
         return dataclasses.replace(step, cell=False) if step.verdict is bis.Verdict.SKIP else step
 
     lines = []
-    res = bis.bisect(versions, no_cell, say=lines.append, check_older=True, name=lambda v: f"v{v}")
+    res = bisect(versions, no_cell, say=lines.append, check_older=True, name=lambda v: f"v{v}")
     assert (res.older, res.newer) == ("0.3.0", "0.5.0") and res.untested_between == ["0.4.0"]
     assert res.cells_evaluated == len(calls) - 1
     assert any(line.startswith("[no cell] v0.4.0 (") for line in lines)
-    assert [line.split("]")[0] for line in lines if not line.startswith(("[no", " "))][-1] == f"[{len(calls) - 1}/≤5"
+    assert [line.split("]")[0] for line in steps(lines) if not line.startswith("[no")][-1] == f"[{len(calls) - 1}/≤5"
+    assert f"cells evaluated: {len(calls) - 1} (at most 5: ceil(log2 8) + 2 for 8 releases)" in lines[-1]
 
 
 SUITE = """
@@ -362,11 +396,11 @@ def test_a_name_no_test_has_is_refused_before_the_index_is_asked(tmp_path, monke
 
 
 def test_a_commit_bisect_checks_the_name_before_reading_the_checkout(tmp_path):
-    from kvcompat import bisect_commits
+    from kvcompat import sessions
 
     ns = options.parse_bisect(["--repo", str(tmp_path / "no-repo"), "a", "b", "--test", "test_nope"], {})
     with pytest.raises(bis.BisectError, match="--test 'test_nope' names no test of tests/connectors"):
-        bisect_commits.bisect(suite(tmp_path), ns, say=lambda line: None)
+        sessions.bisect(suite(tmp_path), ns, say=lambda line: None)
 
 
 def _step_counters(lines):
@@ -391,7 +425,7 @@ def test_a_skipped_cell_extends_the_bound_every_line_shows(check_older):
                 for skip in itertools.combinations(versions[1:-1], r):
                     evaluate, calls = fake(versions[first_bad], skip=set(skip))
                     lines = []
-                    res = bis.bisect(versions, evaluate, say=lines.append, check_older=check_older)
+                    res = bisect(versions, evaluate, say=lines.append, check_older=check_older)
                     counters = _step_counters(lines)
                     assert all(k <= b for k, b in counters), (n, first_bad, skip, lines)
                     bound = bis.cell_budget(n, check_older=check_older) + res.skipped_cells

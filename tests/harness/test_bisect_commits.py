@@ -7,6 +7,7 @@ real cells: it finds the commit that dropped a statement of MultiConnector.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -89,7 +90,7 @@ def make_sdist(path: Path, tree: dict[str, str], version: str = "0.34.0") -> Pat
     return path
 
 
-def fakes(tmp_path: Path, sdists: dict[str, dict[str, str]] | None = None) -> bc.Releases:
+def fakes(tmp_path: Path, sdists: dict[str, dict[str, str]] | None = None) -> bc.ReleaseFiles:
     """The base release's wheel and sdist, built here: 0.34.0's tree as BASE_TREE (and ``sdists``)."""
     folder = tmp_path / "index"
     folder.mkdir(parents=True, exist_ok=True)
@@ -106,7 +107,7 @@ def fakes(tmp_path: Path, sdists: dict[str, dict[str, str]] | None = None) -> bc
             raise AssertionError(f"no sdist of {v} in this test")
         return make_sdist(folder / f"vllm-{v}.tar.gz", trees[v], v)
 
-    return bc.Releases(listed=lambda: RELEASES, wheel=wheel, sdist=sdist)
+    return bc.ReleaseFiles(listed=lambda: RELEASES, wheel=wheel, sdist=sdist)
 
 
 class Cells:
@@ -135,12 +136,34 @@ class Cells:
         return found if isinstance(found, CellResult) else None
 
 
-def bisect(tmp_path: Path, repo: Path, good: str, bad: str, *, releases=None, cells=None, **kw):
+@dataclasses.dataclass
+class Answer:
+    """The one bisect's result over commits, with the handler that names them."""
+
+    result: bis.BisectResult
+    handler: bc.Commits
+
+    @property
+    def newer(self) -> bc.Commit:
+        return self.handler.commit(self.result.newer)
+
+    @property
+    def older(self) -> bc.Commit:
+        return self.handler.commit(self.result.older)
+
+    @property
+    def n(self) -> int:  # the commits of GOOD..BAD
+        return len(self.handler.commits) - 1
+
+    def text(self) -> str:
+        return bis.render_answer(self.result, self.handler)
+
+
+def bisect(tmp_path: Path, repo: Path, good: str, bad: str, *, releases=None, cells=None, find_fix=False, **kw):
     cells = cells or Cells(tmp_path / "results")
     lines: list[str] = []
-    history = bc.History(repo, releases or fakes(tmp_path), tmp_path / "candidates")
-    answer = bc.bisect_commits(
-        history,
+    commits = bc.Commits(
+        bc.Bases(repo, releases or fakes(tmp_path), tmp_path / "candidates"),
         good,
         bad,
         test="test_get_finished",
@@ -149,9 +172,11 @@ def bisect(tmp_path: Path, repo: Path, good: str, bad: str, *, releases=None, ce
         records=bc.Records(tmp_path / "records", cells.load),
         say=lines.append,
         resume=lambda good, bad: f"nox -s bisect -- --repo {repo} {good} {bad}",
+        find_fix=find_fix,
         **kw,
     )
-    return answer, cells, lines
+    result = bis.run(commits, test="test_get_finished", find_fix=find_fix, say=lines.append)
+    return Answer(result, commits), cells, lines
 
 
 def harmless(i: int) -> dict[str, str]:
@@ -176,7 +201,7 @@ def test_finds_the_first_bad_commit_within_ceil_log2_n_plus_2_cells(tmp_path, n,
     assert [o.commit.sha for o in cells.ran[:2]] == [shas[-1], shas[0]]
     assert cells.ran[1].changed == ()  # the good end is 0.34.0 as released: nothing laid over
     assert all(o.base == "0.34.0" for o in cells.ran)
-    text = bc.render_answer(answer, repo)
+    text = answer.text()
     assert f"first bad commit: {shas[first_bad]} refactor: drop the scan" in text
     assert f"last good commit: {shas[first_bad - 1]} " in text
     assert "  modified +1 " in text and MC in text
@@ -195,13 +220,15 @@ def test_a_compiled_change_in_the_middle_is_skipped_without_a_cell(tmp_path):
     repo, shas = make_repo(tmp_path / "repo", changes)
     answer, cells, lines = bisect(tmp_path, repo, "v0.34.0", "main")
     assert answer.newer.sha == shas[4] and answer.older.sha == shas[3]
-    skip = next(s for s in answer.result.steps if s.version == shas[2])
+    skip = next(s for s in answer.result.steps if s.item == shas[2])
     assert skip.verdict is bis.Verdict.SKIP and not skip.cell
     assert "changes compiled sources relative to vllm 0.34.0 (csrc/cache.cu)" in skip.why
     assert "no release contains it yet: build a wheel of the commit" in skip.why
     assert shas[2] not in [o.commit.sha for o in cells.ran]
     assert answer.result.cells_evaluated == len(cells.ran)
     assert any(line.startswith("[no cell] ") and "SKIP" in line for line in lines)
+    # a step decided without a cell costs nothing: the bound is the one without skips
+    assert f"cells evaluated: {len(cells.ran)} (at most 4: ceil(log2 4) + 2 for 4 commits)\n" in answer.text()
 
 
 def test_a_skipped_commit_next_to_the_boundary_is_named_in_the_answer(tmp_path):
@@ -214,7 +241,7 @@ def test_a_skipped_commit_next_to_the_boundary_is_named_in_the_answer(tmp_path):
     answer, _, _ = bisect(tmp_path, repo, "v0.34.0", "main")
     assert (answer.older.sha, answer.newer.sha) == (shas[1], shas[3])
     assert answer.result.untested_between == [shas[2]]
-    assert "could not test " + shas[2][:10] in bc.render_answer(answer, repo)
+    assert "could not test " + shas[2][:10] in answer.text()
 
 
 def test_a_compiled_change_at_an_end_is_refused_before_any_cell(tmp_path):
@@ -233,10 +260,10 @@ def test_the_first_release_that_contains_a_compiled_change_is_its_base(tmp_path)
     new_kernel = {"csrc/cache.cu": "__global__ void k2() {}\n"}
     repo, shas = make_repo(tmp_path / "repo", [("kernels: tweak", new_kernel), ("release 0.34.1", {"x.txt": "1"})])
     git(repo, "tag", "v0.34.1")
-    history = bc.History(repo, fakes(tmp_path, {"0.34.1": {**BASE_TREE, **new_kernel}}), tmp_path / "c")
+    history = bc.Bases(repo, fakes(tmp_path, {"0.34.1": {**BASE_TREE, **new_kernel}}), tmp_path / "c")
     (tweak,) = [c for c in bc.commits_between(repo, "v0.34.0", "main") if c.sha == shas[1]]
     assert history.base_sharing_compiled(tweak) == "0.34.1"
-    other = bc.History(repo, fakes(tmp_path / "o", {"0.34.1": BASE_TREE}), tmp_path / "c")
+    other = bc.Bases(repo, fakes(tmp_path / "o", {"0.34.1": BASE_TREE}), tmp_path / "c")
     with pytest.raises(bc.Refused, match="vllm 0.34.1, the first release that contains it, has other compiled"):
         other.base_sharing_compiled(tweak)
 
@@ -250,7 +277,7 @@ def test_files_the_build_does_not_compile_are_no_compiled_change(tmp_path):
 def test_the_base_comes_from_a_release_tag_when_the_tree_says_no_version(tmp_path):
     base = {k: v for k, v in BASE_TREE.items() if k != "PKG-INFO"}
     repo, shas = make_repo(tmp_path / "repo", [("b", BROKEN)], base=base)
-    history = bc.History(repo, fakes(tmp_path), tmp_path / "c")
+    history = bc.Bases(repo, fakes(tmp_path), tmp_path / "c")
     first, last = bc.commits_between(repo, "v0.34.0", "main")
     assert history.version_of(last) == ("0.34.0", "tag v0.34.0 in its history")
     git(repo, "tag", "-d", "v0.34.0")
@@ -260,9 +287,9 @@ def test_the_base_comes_from_a_release_tag_when_the_tree_says_no_version(tmp_pat
 
 def test_python_changes_and_deletions_are_laid_over_the_base_wheel(tmp_path):
     repo, _ = make_repo(tmp_path / "repo", [("b", {**BROKEN, "vllm/old.py": None, "vllm/new.py": "Y = 2\n"})])
-    history = bc.History(repo, fakes(tmp_path), tmp_path / "c")
+    history = bc.Bases(repo, fakes(tmp_path), tmp_path / "c")
     first, last = bc.commits_between(repo, "v0.34.0", "main")
-    overlay = history.overlay(last, since=first)
+    overlay = bc.overlay(history, last, since=first)
     assert overlay.changed == (MC, "vllm/new.py", "vllm/old.py")
     assert overlay.wheel.name.startswith("vllm-0.34.0+src.")
     with zipfile.ZipFile(overlay.wheel) as zf:
@@ -287,7 +314,7 @@ def test_find_fix_over_commits(tmp_path):
     )
     answer, _, _ = bisect(tmp_path, repo, "main", shas[1], find_fix=True)
     assert (answer.older.sha, answer.newer.sha) == (shas[2], shas[3])
-    assert "first good commit: " + shas[3] in bc.render_answer(answer, repo)
+    assert "first good commit: " + shas[3] in answer.text()
 
 
 def test_a_good_end_that_fails_is_one_line(tmp_path):
@@ -483,14 +510,9 @@ def test_a_refusal_names_the_commit_that_changed_the_compiled_sources(tmp_path):
 def test_a_commit_whose_offload_child_cannot_import_is_skipped_not_named_first_bad(tmp_path):
     """Commits 1-2 break the offload child's import (the suite's fixtures error, one test still passes),
     3 mends it, 4 drops the scan: the bisect lands on 2, which is skipped (an import error), and answers 4."""
-    from test_import_probe import BROKEN_CHILD, RELEASE, V1
+    from test_import_probe import BROKEN_CHILD, RELEASE, V1, fake_cell_options, run_fake_cell
 
-    from kvcompat.cells import Cell
     from kvcompat.outcomes import Outcome
-    from kvcompat.run.options import RunOptions
-    from kvcompat.run.workflow import run_cell
-
-    from helpers import SMALL_CELL_GB
 
     suite = tmp_path / "suite"
     suite.mkdir()
@@ -514,22 +536,15 @@ def test_a_commit_whose_offload_child_cannot_import_is_skipped_not_named_first_b
         ("later", {MC: BROKEN[MC] + "# later\n"}),
     ]
     repo, shas = make_repo(tmp_path / "repo", changes, base=tree)
-    opts = RunOptions(
-        repo=REPO,
-        results_dir=tmp_path / "results",
-        suite=str(suite),
-        work_dir=tmp_path / "work",
-        min_free_gb=float(SMALL_CELL_GB),
-    )
+    opts = fake_cell_options(tmp_path, suite)
     outcomes = {}
 
     class RealCells(Cells):
         def run(self, overlay):
             self.ran.append(overlay)
-            cell = Cell(vllm=overlay.wheel.name.split("-")[1], torch="none", wheel=overlay.wheel)
-            result = run_cell(cell, tmp_path / "venvs" / cell.id, opts, progress=lambda s: None)
+            result = run_fake_cell(overlay.wheel, overlay.wheel.name.split("-")[1], tmp_path, opts)
             outcomes[overlay.commit.sha] = result.outcome
-            return cell.id, result
+            return result.id, result
 
     releases = fakes(tmp_path, {"0.34.0": tree})
     answer, cells, lines = bisect(
@@ -537,5 +552,8 @@ def test_a_commit_whose_offload_child_cannot_import_is_skipped_not_named_first_b
     )
     assert outcomes[shas[2]] is Outcome.IMPORT_ERROR, "\n".join(lines)
     assert (answer.older.sha, answer.newer.sha) == (shas[3], shas[4]), "\n".join(lines)
-    skip = next(s for s in answer.result.steps if getattr(s, "item", getattr(s, "version", None)) == shas[2])
+    skip = next(s for s in answer.result.steps if s.item == shas[2])
     assert skip.verdict is bis.Verdict.SKIP and "the CPU-offload child SimpleCPUOffloadConnector" in skip.why
+    # the skipped cell ran: it extends the bound by one, in its step's line and in the answer
+    assert any(line.startswith(f"[3/≤6] {shas[2][:10]} ") for line in lines), "\n".join(lines)
+    assert "cells evaluated: 5 (at most 6: ceil(log2 5) + 2 for 5 commits, + 1 for the cell skipped)" in answer.text()

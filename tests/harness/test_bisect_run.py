@@ -29,9 +29,10 @@ def test_bisect_names_the_first_bad_release_and_the_changed_connector_file(tmp_p
     proc = run_nox(project, "-s", "bisect", "--", *args)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "last good: 0.0.2" in out and "first bad: 0.0.3" in out, out
+    assert "first bad release: 0.0.3\nlast good release: 0.0.2\n" in out, out
     # the bad end, then two steps (0.0.2 good, 0.0.3 bad): ceil(log2 4) + 1, the good end taken on trust
-    assert "cells evaluated: 3" in out and "[3/≤3]" in out and "0.0.1 (" not in out
+    assert "cells evaluated: 3 (at most 3: ceil(log2 4) + 1 for 4 releases)" in out and "[3/≤3]" in out
+    assert "0.0.1 (" not in out
     assert f"modified +1     -1     {MULTI}" in out
     # steps 2 and 3 say what they had from the steps before them (fake wheels have no torch)
     assert out.count(" of 5 pins were installed by earlier steps (hardlinked from uv's cache") == 2, out
@@ -50,7 +51,7 @@ def test_bisect_names_the_first_bad_release_and_the_changed_connector_file(tmp_p
         env={**os.environ, "PYTHONPATH": str(project / "src")},
     )
     assert cli.returncode == 0, cli.stdout + cli.stderr
-    assert "first bad: 0.0.3" in cli.stdout and cli.stdout.count("unchanged (lock, suite and Python match") == 3
+    assert "first bad release: 0.0.3" in cli.stdout and cli.stdout.count("unchanged (lock, suite and Python match") == 3
 
 
 def test_find_fix_names_the_first_good_release_after_a_bad_one(tmp_path):
@@ -71,8 +72,8 @@ def test_find_fix_names_the_first_good_release_after_a_bad_one(tmp_path):
     proc = run_nox(project, "-s", "bisect", "--", *args)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "first good: 0.0.3 (last bad: 0.0.2)" in out, out
-    assert "last good:" not in out and "first bad:" not in out
+    assert "first good release: 0.0.3\nlast bad release:   0.0.2\n" in out, out
+    assert "last good" not in out and "first bad" not in out
     assert "0.0.4 (--good endpoint): GOOD" in out and "0.0.2 (3 left between 0.0.1 and 0.0.4): BAD" in out
     assert "cells evaluated: 3" in out and "[3/≤3]" in out
     assert "compare: https://github.com/vllm-project/vllm/compare/v0.0.2...v0.0.3" in out

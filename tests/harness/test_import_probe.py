@@ -16,6 +16,7 @@ import pytest
 
 from kvcompat.cells import Cell
 from kvcompat.outcomes import Outcome
+from kvcompat.results import CellResult
 from kvcompat.run.options import RunOptions
 from kvcompat.run.workflow import run_cell
 
@@ -119,6 +120,18 @@ def test_load():
 """
 
 
+def fake_cell_options(tmp_path: Path, suite: Path) -> RunOptions:
+    """A fake cell's run: ``suite`` as our suite, its results and work under ``tmp_path``."""
+    results, work = tmp_path / "results", tmp_path / "work"
+    return RunOptions(repo=REPO, results_dir=results, suite=str(suite), work_dir=work, min_free_gb=float(SMALL_CELL_GB))
+
+
+def run_fake_cell(wheel: Path, version: str, tmp_path: Path, opts: RunOptions) -> CellResult:
+    """The wheel as a cell without torch, in a venv of its own under ``tmp_path``."""
+    cell = Cell(vllm=version, torch="none", wheel=wheel)
+    return run_cell(cell, tmp_path / "venvs" / cell.id, opts, progress=lambda s: None)
+
+
 @pytest.mark.slow  # builds a venv with uv
 def test_a_cell_whose_offload_child_cannot_import_is_an_import_error(tmp_path):
     """One test passed, one failed, one errored: the probe runs, the child does not import, the cell is an
@@ -128,14 +141,7 @@ def test_a_cell_whose_offload_child_cannot_import_is_an_import_error(tmp_path):
     wheel = build_wheel(folder, {**RELEASE, f"{V1}/simple_cpu_offload_connector.py": BROKEN_CHILD}, version="0.34.0")
     (tmp_path / "suite").mkdir()
     (tmp_path / "suite" / "test_children.py").write_text(SUITE)
-    opts = RunOptions(
-        repo=REPO,
-        results_dir=tmp_path / "results",
-        suite=str(tmp_path / "suite"),
-        work_dir=tmp_path / "work",
-        min_free_gb=float(SMALL_CELL_GB),
-    )
-    result = run_cell(Cell(vllm="0.34.0", torch="none", wheel=wheel), tmp_path / "venv", opts, progress=lambda s: None)
+    result = run_fake_cell(wheel, "0.34.0", tmp_path, fake_cell_options(tmp_path, tmp_path / "suite"))
     assert result.counts()["passed"] == 1 and result.counts()["failed"] == 1 and result.counts()["error"] == 1
     assert result.outcome is Outcome.IMPORT_ERROR, result.detail
     assert "the CPU-offload child SimpleCPUOffloadConnector does not import" in result.detail
