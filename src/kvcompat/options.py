@@ -327,7 +327,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "--fork",
         "import the release once per batch of mutants and run each mutant in a forked child with its code "
-        "swapped in (kvcompat.mutation.forkrun): our suite in seconds a mutant; a change outside any function "
+        "swapped in (kvcompat.mutation.incell.forkrun): our suite in seconds a mutant; a change outside any function "
         "runs the usual way",
         ("mutants",),
         switch=True,

@@ -8,7 +8,7 @@ EngineCore runs it, on a thread of its own; the session waits for every one befo
 that raises or hangs is reported as an error of the test whose engines it shut down, as a teardown
 error is.
 
-A forked mutation child (``kvcompat.mutation.forkrun``) exits without a session end, so there every
+A forked mutation child (``kvcompat.mutation.incell.forkrun``) exits without a session end, so there every
 shutdown runs in line (``INLINE``): a mutant that breaks a shutdown is seen the same way in both runs.
 """
 
