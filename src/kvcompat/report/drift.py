@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from kvcompat.report.model import GridCell, Report
+from kvcompat.report.cells import GridCell
+from kvcompat.report.model import Report
 
 # What moves a connector verdict most, in this order; then everything else by name.
 RELEVANCE = (r"^torch$", r"^transformers$", r"^nixl", r"^(cuda|nvidia)", r"^(torchvision|torchaudio|triton)$")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 
-from kvcompat.report.model import GridCell, Report
+from kvcompat.report.cells import GridCell
+from kvcompat.report.model import Report
 
 # Facts a report leaves out: how the platform was set up (the same for every cell of a runner).
 HIDDEN = ("platform",)

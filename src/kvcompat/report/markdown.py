@@ -17,20 +17,11 @@ from collections import defaultdict
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report import facts as cell_facts
 from kvcompat.report import why
+from kvcompat.report.cells import BAD_TESTS, GridCell, short_test, suite_tally
 from kvcompat.report.drift import environment_pairs
-from kvcompat.report.model import (
-    BAD_TESTS,
-    GridCell,
-    Report,
-    Timeline,
-    TimelineRow,
-    known_bug,
-    red_line,
-    shape_verdicts,
-    shape_what,
-    short_test,
-    suite_tally,
-)
+from kvcompat.report.model import Report
+from kvcompat.report.shaped import known_bug, red_line, shape_verdicts, shape_what
+from kvcompat.report.timeline import Timeline, TimelineRow, timelines_of
 from kvcompat.results import headline
 
 # GitHub refuses a comment over 65,536 characters; the page keeps under this, with room for a wrapper.
@@ -159,7 +150,7 @@ def render_markdown(rep: Report, limit: int = LIMIT) -> str:
         return "\n".join(out + ["No results yet: run `nox -s matrix`.", ""])
     sections = [Section(out + [why.summary_line(rep, bold="**"), ""])]
     if rep.is_history:  # many releases: the timeline leads, the grid (every cell, overrides too) follows
-        sections.append(Section(render_timelines(rep.timelines()), cut=3))
+        sections.append(Section(render_timelines(timelines_of(rep)), cut=3))
     sections.append(Section(render_grid(rep)))
     sections.append(Section(render_why(rep)))
     sections.append(Section(render_shapes(rep), cut=4))

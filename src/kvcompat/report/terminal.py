@@ -7,7 +7,10 @@ import sys
 
 from kvcompat.outcomes import Outcome
 from kvcompat.report import why
-from kvcompat.report.model import SQUARE_OUTCOME, GridCell, Report, Timeline, shape_verdicts
+from kvcompat.report.cells import GridCell
+from kvcompat.report.model import Report
+from kvcompat.report.shaped import shape_verdicts
+from kvcompat.report.timeline import SQUARE_OUTCOME, Timeline, timelines_of
 
 ANSI = {
     Outcome.PASS: "32",
@@ -24,7 +27,7 @@ ANSI = {
 }
 
 
-# One character per timeline status, all distinct (coloured as model.SQUARE_OUTCOME says).
+# One character per timeline status, all distinct (coloured as timeline.SQUARE_OUTCOME says).
 GLYPH = {
     "pass": "✓",
     "known bug": "K",
@@ -87,7 +90,7 @@ def render_terminal(rep: Report, color: bool = False, html: str = why.HTML) -> s
         return "no results yet: run `nox -s matrix`"
     parts = []
     if rep.is_history:
-        timelines = rep.timelines()
+        timelines = timelines_of(rep)
         parts += [(f"{tl.title}:\n" if len(timelines) > 1 else "") + render_timeline(tl, color) for tl in timelines]
     notes = "".join(f"\n{_sup(n)} {text.replace('`', '')}" for n, text in enumerate(rep.footnotes(), 1))
     parts.append(_grid(rep, color) + notes + _shape_lines(rep))

@@ -15,21 +15,11 @@ from html import escape
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report import facts as cell_facts
 from kvcompat.report import why
+from kvcompat.report.cells import GridCell, panel_id, short_test, suite_tallies, suite_tally
 from kvcompat.report.drift import environment_pairs
-from kvcompat.report.model import (
-    SQUARE_OUTCOME,
-    GridCell,
-    Report,
-    Timeline,
-    known_bug,
-    panel_id,
-    red_line,
-    shape_verdicts,
-    shape_what,
-    short_test,
-    suite_tallies,
-    suite_tally,
-)
+from kvcompat.report.model import Report
+from kvcompat.report.shaped import known_bug, red_line, shape_verdicts, shape_what
+from kvcompat.report.timeline import SQUARE_OUTCOME, Timeline, timelines_of
 from kvcompat.results import headline
 
 COLOURS = {
@@ -645,7 +635,7 @@ def render_html(rep: Report) -> str:
     summary = escape(why.summary_line(rep))
     body.append(f'<div class="meta">{summary} Click a square for its drawer.</div>')
     if rep.is_history:
-        body.append(_timelines(rep.timelines()))
+        body.append(_timelines(timelines_of(rep)))
     body.append(_grid(rep))
     body.append(_why(rep, found))
     body.append(_shapes(rep))

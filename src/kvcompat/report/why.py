@@ -14,17 +14,9 @@ from collections import defaultdict
 
 from kvcompat.known_bugs import KnownBug
 from kvcompat.outcomes import Outcome, TestOutcome
-from kvcompat.report.model import (
-    BAD_TESTS,
-    SEVERITY,
-    GridCell,
-    Report,
-    _version_key,
-    known_bug,
-    panel_id,
-    shape_verdicts,
-    short_test,
-)
+from kvcompat.report.cells import BAD_TESTS, SEVERITY, GridCell, _version_key, panel_id, short_test
+from kvcompat.report.model import Report
+from kvcompat.report.shaped import known_bug, shape_verdicts
 from kvcompat.results import TestResult, headline
 
 # What each impact of a known bug (kvcompat.known_bugs.IMPACTS) means to a deployer, in a few words.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcompat.outcomes import Outcome
-from kvcompat.report.model import suite_tallies
+from kvcompat.report.cells import suite_tallies
 from kvcompat.results import CellResult, write_result
 from kvcompat.run.context import CellContext, now
 
