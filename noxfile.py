@@ -54,7 +54,7 @@ def matrix(session: nox.Session, cell_id: str) -> None:
     """Install one cell with uv, run the connector suite in it, write results/<cell-id>.json."""
     with one_line_errors():
         # Before anything is installed: --help, or an argument matrix does not take, ends the run in the
-        # first cell (every cell has the same posargs); only the pytest options of options.PYTEST_OPTIONS pass.
+        # first cell (every cell has the same posargs); only the pytest options of option_table.PYTEST_OPTIONS pass.
         values, pytest_args = options.parse("matrix", session.posargs)
         opts = sessions.run_options(ROOT, values, pytest_args)
         if not session.parallel:  # under -j each cell updates the report itself (below)

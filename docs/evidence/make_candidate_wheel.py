@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from kvcompat import index  # noqa: E402
-from kvcompat.options import PYPI  # noqa: E402
+from kvcompat.option_table import PYPI  # noqa: E402
 from kvcompat.qualify import overlay_wheel  # noqa: E402
 
 TARGET = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"

@@ -21,7 +21,7 @@ from packaging.version import Version
 
 from kvcompat import index
 from kvcompat.matrix import NIXL_FAKE, Entry, MatrixError, load_matrix, matrix_source
-from kvcompat.options import PYPI
+from kvcompat.option_table import PYPI
 from kvcompat.outcomes import CHILD_ORDERS
 
 PYTHON = "3.11"

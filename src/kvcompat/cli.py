@@ -18,13 +18,13 @@ import os
 import sys
 from pathlib import Path
 
-from kvcompat import options, sessions
+from kvcompat import option_table, options, sessions
 from kvcompat.errors import KvcompatError, one_line_errors
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
-        raise options.OptionError(f"{message}; see `{self.prog} --help`")
+        raise option_table.OptionError(f"{message}; see `{self.prog} --help`")
 
 
 VERBS = ("report", "show", "list", "bisect", "qualify")
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for verb in VERBS:
-        spec = options.COMMANDS[verb]
+        spec = option_table.COMMANDS[verb]
         options.configure(
             sub.add_parser(verb, help=spec.summary, **options.parser_kwargs(verb, f"kvcompat {verb}")), verb
         )

@@ -42,7 +42,7 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 from kvcompat import simple_api
-from kvcompat.options import PYPI
+from kvcompat.option_table import PYPI
 
 MANIFEST = "kvcompat-upstream.json"
 CPU_PLATFORM_PLUGIN = "kvcompat.testkit.cpu_platform_plugin"  # in-cell: imports vLLM

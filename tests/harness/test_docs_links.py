@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompat import bisection, cli, options
+from kvcompat import bisection, cli, option_table, options
 from kvcompat.errors import KvcompatError
 
 from helpers import REPO
@@ -243,7 +243,11 @@ def command_problem(line: str) -> str | None:
     try:
         if m := NOX_LINE.match(line):
             command, argv = session_of(m.group("nox")), arguments(m.group("args") or "")
-            if command not in options.COMMANDS or not options.COMMANDS[command].parsed or options.wants_help(argv):
+            if (
+                command not in option_table.COMMANDS
+                or not option_table.COMMANDS[command].parsed
+                or options.wants_help(argv)
+            ):
                 return None
             parser = options.command_parser(command)
             _, extras = parser.parse_known_intermixed_args(argv)

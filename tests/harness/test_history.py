@@ -34,7 +34,7 @@ def test_history_is_one_cell_per_minor_from_0_11_in_order():
 @pytest.mark.slow  # asks the real index
 def test_history_holds_the_last_patch_of_every_minor_up_to_the_newest(tmp_path):
     from kvcompat import index
-    from kvcompat.options import PYPI
+    from kvcompat.option_table import PYPI
 
     released = [v for v in index.list_versions("vllm", cache_root=tmp_path, index_url=PYPI) if not v.is_prerelease]
     last_patch: dict[tuple[int, ...], Version] = {}

