@@ -71,8 +71,9 @@ def test_passing_suite_passes_and_records_everything(tmp_path, fake_wheel, make_
     assert result.counts() == {"passed": 2, "failed": 0, "error": 0, "unsupported": 0, "not_applicable": 1}
     assert result.versions["vllm"] == "0.0.1" and "pytest" in result.versions
     assert result.python and result.python.startswith("3.11")
-    # A green suite imported vLLM itself: no separate import probe.
-    assert set(result.phases) == {"resolve", "install", "test"}
+    # A green suite imported vLLM itself: no separate import probe.  (install_wait: another process on the
+    # machine held uv's cache-wide install lock, run.install.install_lock; it says nothing about this cell.)
+    assert set(result.phases) - {"install_wait"} == {"resolve", "install", "test"}
     # The cell caches bytecode even when the caller's environment forbids it, outside its venv.
     assert list((tmp_path / "work" / result.id / "bytecode").glob("**/site-packages/vllm/**/*.pyc"))
     assert not list((tmp_path / "venv").glob("lib/python*/site-packages/vllm/**/__pycache__/*.pyc"))
