@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompat import simple_api, upstream
+from kvcompat import hfcache, simple_api, upstream
 from kvcompat.upstream import UNIT
 
 from helpers import REPO, FakeIndex
@@ -263,7 +263,7 @@ def test_release_without_sdist(tmp_path, sdist, monkeypatch):
 
 
 def test_hf_cache_has_the_hub_layout(tmp_path):
-    env = upstream.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m", "Qwen/Qwen3-0.6B"])
+    env = hfcache.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m", "Qwen/Qwen3-0.6B"])
     hub = tmp_path / "hf" / "hub"
     assert env["HF_HOME"] == str(tmp_path / "hf") and env["HF_HUB_CACHE"] == str(hub)
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
@@ -286,7 +286,7 @@ def test_hf_cache_has_the_hub_layout(tmp_path):
 def test_the_opt_tokenizer_loads_and_encodes_any_text_offline(tmp_path):
     """What a scheduler's StructuredOutputManager does with create_vllm_config's default model."""
     transformers = pytest.importorskip("transformers")
-    env = upstream.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m"])
+    env = hfcache.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m"])
     snapshot = next((tmp_path / "hf" / "hub" / "models--facebook--opt-125m" / "snapshots").iterdir())
     tok = transformers.GPT2TokenizerFast(
         vocab_file=str(snapshot / "vocab.json"), merges_file=str(snapshot / "merges.txt")
@@ -296,13 +296,13 @@ def test_the_opt_tokenizer_loads_and_encodes_any_text_offline(tmp_path):
 
 
 def test_hf_cache_is_idempotent_and_rejects_unknown_ids(tmp_path):
-    upstream.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m"])
+    hfcache.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m"])
     config = next((tmp_path / "hf" / "hub").rglob("config.json"))
     before = config.stat().st_mtime_ns
-    upstream.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m"])
+    hfcache.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m"])
     assert config.stat().st_mtime_ns == before
     with pytest.raises(KeyError):
-        upstream.hf_offline_cache(tmp_path / "hf", ["nobody/unknown-model"])
+        hfcache.hf_offline_cache(tmp_path / "hf", ["nobody/unknown-model"])
 
 
 def test_hf_cache_resolves_offline_with_huggingface_hub_when_installed(tmp_path):
@@ -317,7 +317,7 @@ def test_hf_cache_resolves_offline_with_huggingface_hub_when_installed(tmp_path)
         assert isinstance(path, str) and path.endswith("config.json"), path
         print("found")
         """)
-    env = upstream.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m"])
+    env = hfcache.hf_offline_cache(tmp_path / "hf", ["facebook/opt-125m"])
     out = subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, check=True
     )
