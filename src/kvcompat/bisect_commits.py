@@ -5,7 +5,7 @@
 
 The handler for :func:`kvcompat.bisection.run`, its steps each a plain function or method:
 
-1. :func:`commits_between` — GOOD, then ``git rev-list --first-parent --reverse GOOD..BAD``: the N
+1. :func:`kvcompat.vllm_git.commits_between` — GOOD, then ``git rev-list --first-parent --reverse GOOD..BAD``: the N
    commits the first bad one can be.  Bad input (not a git repository, an unknown ref, GOOD not an
    ancestor of BAD) is one line naming the fix.
 2. :meth:`Bases.base_of` — the release a commit descends from: its tree's own version (an sdist's
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import shutil
 import subprocess
@@ -48,17 +47,27 @@ from argparse import Namespace
 from collections.abc import Callable
 from pathlib import Path
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from kvcompat import bisection as bis
 from kvcompat import overlay as ov
 from kvcompat import qualify as q
 from kvcompat.atomic import write_atomic
 from kvcompat.results import CellResult
+from kvcompat.vllm_git import (
+    GIT_URL,
+    Commit,
+    commits_between,
+    git,
+    git_blob_id,
+    log_commits,
+    open_repo,
+    release_of_tag,
+    show_file,
+)
 
 # The files a connector bisect is about: their changes between the last good and the first bad commit.
 CONNECTOR_DIRS = tuple(d.rstrip("/") for d in bis.CONNECTOR_DIRS)
-GIT_URL = "https://github.com/vllm-project/vllm"
 
 
 class Refused(Exception):
@@ -70,22 +79,6 @@ class Refused(Exception):
     def __init__(self, message: str, origin: Commit | None = None) -> None:
         super().__init__(message)
         self.origin = origin
-
-
-@dataclasses.dataclass(frozen=True)
-class Commit:
-    sha: str
-    tree: str
-    subject: str
-
-    @property
-    def short(self) -> str:
-        return self.sha[:10]
-
-    @property
-    def label(self) -> str:
-        subject = self.subject if len(self.subject) <= 50 else self.subject[:49] + "…"
-        return f'{self.short} "{subject}"'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,119 +98,6 @@ class ReleaseFiles:
     listed: Callable[[], list[Version]]
     wheel: Callable[[str], Path]
     sdist: Callable[[str], Path]
-
-
-# -- 1. git --------------------------------------------------------------------------------------
-
-
-def git(repo: Path, *args: str) -> str:
-    """``git -C repo ARGS``'s stdout; a failure raises :class:`subprocess.CalledProcessError` with stderr."""
-    try:
-        proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, check=False)
-    except FileNotFoundError:
-        raise bis.BisectError("git is not installed (bisecting commits runs git); install git") from None
-    if proc.returncode:
-        raise subprocess.CalledProcessError(proc.returncode, args, proc.stdout, proc.stderr)
-    return proc.stdout.decode(errors="replace")
-
-
-def _first_line(err: subprocess.CalledProcessError) -> str:
-    text = (err.stderr or b"").decode(errors="replace").strip()
-    return text.splitlines()[0] if text else f"exit status {err.returncode}"
-
-
-def open_repo(path: Path) -> Path:
-    """The top folder of the git repository at ``path``."""
-    clone = f"point --repo at a vLLM git clone (git clone {GIT_URL})"
-    if not path.is_dir():
-        raise bis.BisectError(f"--repo {path} is not a folder; {clone}")
-    try:
-        return Path(git(path, "rev-parse", "--show-toplevel").strip())
-    except subprocess.CalledProcessError as exc:
-        raise bis.BisectError(f"--repo {path} is not a git repository ({_first_line(exc)}); {clone}") from None
-
-
-def resolve_ref(repo: Path, ref: str, role: str) -> str:
-    """The full hash of the commit ``ref`` names (a hash, a tag, a branch, ``HEAD~3``)."""
-    try:
-        return git(repo, "rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}").strip()
-    except subprocess.CalledProcessError:
-        raise bis.BisectError(
-            f"{role} {ref!r} names no commit in {repo}; give a commit hash, tag or branch of it "
-            f"(`git -C {repo} log --oneline --first-parent` lists them; a release tag may need `git fetch --tags`)"
-        ) from None
-
-
-def _commits(repo: Path, *args: str) -> list[Commit]:
-    out = git(repo, "log", "--format=%H%x00%T%x00%s%x00", *args)
-    fields = out.split("\x00")
-    return [
-        Commit(fields[i].strip(), fields[i + 1], fields[i + 2])
-        for i in range(0, len(fields) - 2, 3)
-        if fields[i].strip()
-    ]
-
-
-def commits_between(repo: Path, good: str, bad: str, *, find_fix: bool = False) -> list[Commit]:
-    """The older end, then every first-parent commit after it up to the newer end (oldest first).
-
-    ``good`` is where the test passes and ``bad`` where it fails; with ``find_fix`` ``bad`` is the older.
-    """
-    (old_role, old_ref), (new_role, new_ref) = (
-        (("BAD", bad), ("GOOD", good)) if find_fix else (("GOOD", good), ("BAD", bad))
-    )
-    old, new = resolve_ref(repo, old_ref, old_role), resolve_ref(repo, new_ref, new_role)
-    if old == new:
-        raise bis.BisectError(
-            f"{old_role} {old_ref} and {new_role} {new_ref} are the same commit ({old[:10]}); "
-            f"give an older {old_role} or a newer {new_role}"
-        )
-
-    def is_ancestor(a: str, b: str) -> bool:
-        try:
-            git(repo, "merge-base", "--is-ancestor", a, b)
-            return True
-        except subprocess.CalledProcessError:
-            return False
-
-    if not is_ancestor(old, new):
-        if is_ancestor(new, old):
-            hint = (
-                "swap them (with --find-fix the fix comes after the break: BAD is the older)"
-                if find_fix
-                else "swap them, or add --find-fix to find the commit that fixed it"
-            )
-            raise bis.BisectError(
-                f"{old_role} {old_ref} ({old[:10]}) is newer than {new_role} {new_ref} ({new[:10]}); {hint}"
-            )
-        raise bis.BisectError(
-            f"{old_role} {old_ref} ({old[:10]}) is not an ancestor of {new_role} {new_ref} ({new[:10]}): they are "
-            f"on different branches; give a {old_role} that {new_role}'s history holds "
-            f"(`git -C {repo} merge-base {old[:10]} {new[:10]}` is where they part)"
-        )
-    first = _commits(repo, "-1", old)
-    after = _commits(repo, "--first-parent", "--reverse", f"{old}..{new}")
-    return first + after
-
-
-def _show(repo: Path, sha: str, path: str) -> bytes | None:
-    try:
-        proc = subprocess.run(["git", "-C", str(repo), "show", f"{sha}:{path}"], capture_output=True, check=True)
-    except subprocess.CalledProcessError:
-        return None
-    return proc.stdout
-
-
-def _git_blob_id(data: bytes, object_format: str) -> bytes:
-    algo = hashlib.sha256 if object_format == "sha256" else hashlib.sha1
-    return algo(b"blob %d\0" % len(data) + data).hexdigest().encode()
-
-
-def _release(tag: str) -> Version | None:
-    try:
-        return Version(tag.strip().removeprefix("v"))
-    except InvalidVersion:
-        return None
 
 
 # -- 2.-3. the release a commit is laid over -------------------------------------------------------
@@ -241,14 +121,14 @@ class Bases:
         in its history."""
         with tempfile.TemporaryDirectory(prefix="version.", dir=_made(self.work)) as tmp:
             for rel in ("PKG-INFO", "vllm/_version.py"):
-                data = _show(self.repo, commit.sha, rel)
+                data = show_file(self.repo, commit.sha, rel)
                 if data is not None:
                     (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
                     (Path(tmp) / rel).write_bytes(data)
             version = q.checkout_version(Path(tmp))
         if version is not None:
             return version, "its tree's version"
-        tags = [v for v in map(_release, git(self.repo, "tag", "--merged", commit.sha).split()) if v is not None]
+        tags = [v for v in map(release_of_tag, git(self.repo, "tag", "--merged", commit.sha).split()) if v is not None]
         if tags:
             return str(max(tags)), f"tag v{max(tags)} in its history"
         return None, "no version"
@@ -278,7 +158,7 @@ class Bases:
     @functools.cache  # noqa: B019 (one Bases per bisect: a release's sdist is read once)
     def compiled_of_release(self, release: str) -> dict[str, bytes]:
         sources = ov.compiled_sources_of_sdist(self.releases.sdist(release))
-        return {rel: _git_blob_id(data, self.object_format) for rel, data in sources.items()}
+        return {rel: git_blob_id(data, self.object_format) for rel, data in sources.items()}
 
     def compiled_changes(self, commit: Commit, release: str) -> list[str]:
         """The compiled sources the commit has changed, added or removed relative to ``release``'s sdist."""
@@ -286,7 +166,7 @@ class Bases:
 
     def first_release_containing(self, commit: Commit) -> str | None:
         tags = git(self.repo, "tag", "--contains", commit.sha).split()
-        finals = [v for v in map(_release, tags) if v is not None and not v.is_prerelease]
+        finals = [v for v in map(release_of_tag, tags) if v is not None and not v.is_prerelease]
         return str(min(finals)) if finals else None
 
     def first_change(self, commit: Commit, base: str, differ: list[str], since: Commit | None) -> Commit | None:
@@ -295,7 +175,7 @@ class Bases:
         when ``since`` differs already (the change came before it)."""
         if since is None or since == commit or self.compiled_changes(since, base):
             return None
-        touched = _commits(self.repo, "--first-parent", "--reverse", f"{since.sha}..{commit.sha}", "--", *differ)
+        touched = log_commits(self.repo, "--first-parent", "--reverse", f"{since.sha}..{commit.sha}", "--", *differ)
         return next((c for c in touched if self.compiled_changes(c, base)), None)
 
     def base_sharing_compiled(self, commit: Commit, since: Commit | None = None) -> str:
@@ -539,9 +419,9 @@ def connector_changes(repo: Path, older: str, newer: str) -> list[bis.FileChange
     for line in out.splitlines():
         added, removed, path = line.split("\t", 2)
         status = "modified"
-        if _show(repo, older, path) is None:
+        if show_file(repo, older, path) is None:
             status = "added"
-        elif _show(repo, newer, path) is None:
+        elif show_file(repo, newer, path) is None:
             status = "removed"
         changes.append(
             bis.FileChange(path, int(added) if added != "-" else 0, int(removed) if removed != "-" else 0, status)

@@ -24,7 +24,7 @@ from packaging.version import Version
 
 from kvcompat import bisect_commits as bc
 from kvcompat import bisection as bis
-from kvcompat import options
+from kvcompat import options, vllm_git
 from kvcompat.results import CellResult, check_result, result_path, write_result
 
 from helpers import REPO, build_wheel, make_result, one_line_error
@@ -144,11 +144,11 @@ class Answer:
     handler: bc.Commits
 
     @property
-    def newer(self) -> bc.Commit:
+    def newer(self) -> vllm_git.Commit:
         return self.handler.commit(self.result.newer)
 
     @property
-    def older(self) -> bc.Commit:
+    def older(self) -> vllm_git.Commit:
         return self.handler.commit(self.result.older)
 
     @property
@@ -261,7 +261,7 @@ def test_the_first_release_that_contains_a_compiled_change_is_its_base(tmp_path)
     repo, shas = make_repo(tmp_path / "repo", [("kernels: tweak", new_kernel), ("release 0.34.1", {"x.txt": "1"})])
     git(repo, "tag", "v0.34.1")
     history = bc.Bases(repo, fakes(tmp_path, {"0.34.1": {**BASE_TREE, **new_kernel}}), tmp_path / "c")
-    (tweak,) = [c for c in bc.commits_between(repo, "v0.34.0", "main") if c.sha == shas[1]]
+    (tweak,) = [c for c in vllm_git.commits_between(repo, "v0.34.0", "main") if c.sha == shas[1]]
     assert history.base_sharing_compiled(tweak) == "0.34.1"
     other = bc.Bases(repo, fakes(tmp_path / "o", {"0.34.1": BASE_TREE}), tmp_path / "c")
     with pytest.raises(bc.Refused, match="vllm 0.34.1, the first release that contains it, has other compiled"):
@@ -278,7 +278,7 @@ def test_the_base_comes_from_a_release_tag_when_the_tree_says_no_version(tmp_pat
     base = {k: v for k, v in BASE_TREE.items() if k != "PKG-INFO"}
     repo, shas = make_repo(tmp_path / "repo", [("b", BROKEN)], base=base)
     history = bc.Bases(repo, fakes(tmp_path), tmp_path / "c")
-    first, last = bc.commits_between(repo, "v0.34.0", "main")
+    first, last = vllm_git.commits_between(repo, "v0.34.0", "main")
     assert history.version_of(last) == ("0.34.0", "tag v0.34.0 in its history")
     git(repo, "tag", "-d", "v0.34.0")
     with pytest.raises(bc.Refused, match=r"says no version .*: fetch vLLM's tags"):
@@ -288,7 +288,7 @@ def test_the_base_comes_from_a_release_tag_when_the_tree_says_no_version(tmp_pat
 def test_python_changes_and_deletions_are_laid_over_the_base_wheel(tmp_path):
     repo, _ = make_repo(tmp_path / "repo", [("b", {**BROKEN, "vllm/old.py": None, "vllm/new.py": "Y = 2\n"})])
     history = bc.Bases(repo, fakes(tmp_path), tmp_path / "c")
-    first, last = bc.commits_between(repo, "v0.34.0", "main")
+    first, last = vllm_git.commits_between(repo, "v0.34.0", "main")
     overlay = bc.overlay(history, last, since=first)
     assert overlay.changed == (MC, "vllm/new.py", "vllm/old.py")
     assert overlay.wheel.name.startswith("vllm-0.34.0+src.")
@@ -338,12 +338,12 @@ def test_bad_refs_and_orders_are_one_line(tmp_path):
     }
     for (good, bad), message in cases.items():
         with pytest.raises(bis.BisectError) as err:
-            bc.commits_between(repo, good, bad)
+            vllm_git.commits_between(repo, good, bad)
         assert message in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(bis.BisectError, match="is not a git repository"):
-        bc.open_repo(tmp_path)
+        vllm_git.open_repo(tmp_path)
     with pytest.raises(bis.BisectError, match="is not a folder"):
-        bc.open_repo(tmp_path / "missing")
+        vllm_git.open_repo(tmp_path / "missing")
 
 
 @pytest.mark.parametrize(
