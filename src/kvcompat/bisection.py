@@ -165,7 +165,7 @@ def check_test(test: str, root: Path, suite: str = SUITE) -> None:
 
 def verdict_for(result: CellResult, test: str) -> Step:
     """What a cell result says about ``test``: good, bad, or skip (and why)."""
-    item = result.cell["vllm"]
+    item = result.cell.vllm
     if not result.tests or result.outcome in INFRASTRUCTURE:
         return Step(item, Verdict.SKIP, f"cell {result.outcome.label}: {result.detail}")
     matched = [t for t in result.tests if t.nodeid == test or test in t.nodeid]

@@ -152,6 +152,19 @@ class Cell:
         d["nox_id"] = self.nox_id
         return d
 
+    @classmethod
+    def from_json(cls, d: dict) -> Cell:
+        """The cell ``to_json`` wrote (``id`` and ``nox_id`` are derived, not read back); a key an older
+        result lacks takes the field's default, a key this kvcompat no longer knows is ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if "wheel" in kw:
+            kw["wheel"] = Path(kw["wheel"]) if kw["wheel"] else None
+        for key in ("suites", "overrides"):
+            if key in kw:
+                kw[key] = tuple(kw[key])
+        return cls(**kw)
+
 
 def _ident(text: str) -> str:
     return re.sub(r"\W", "_", text)

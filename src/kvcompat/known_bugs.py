@@ -198,7 +198,7 @@ class Judgement:
 
 def judge_result(result: CellResult) -> Judgement:
     """A cell's result read against the known bugs of its release."""
-    return judge(result.outcome, result.tests, result.cell["vllm"])
+    return judge(result.outcome, result.tests, result.cell.vllm)
 
 
 def judge(

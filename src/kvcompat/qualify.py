@@ -219,7 +219,7 @@ def compare(base: CellResult, candidate: CellResult) -> Comparison:
     for nodeid in sorted(b.keys() | c.keys()):
         bt, ct = b.get(nodeid), c.get(nodeid)
         change = Change(nodeid, _label(bt), _label(ct), suite=(bt or ct).suite)  # type: ignore[union-attr]
-        bug = ct and ct.blocked_by is None and known_bugs.explaining(ct.contract, ct.shape, candidate.cell["vllm"])
+        bug = ct and ct.blocked_by is None and known_bugs.explaining(ct.contract, ct.shape, candidate.cell.vllm)
         if _green(bt) and not _green(ct) and bug:
             known.append(dataclasses.replace(change, message=bug.line()))
         elif _green(bt) and not _green(ct):
@@ -271,9 +271,9 @@ def render_markdown(cmp: Comparison, cand: Candidate, base: str) -> str:
         "|---|---|---|---|---|",
     ]
     for label, r in (("base", cmp.base), ("candidate", cmp.candidate)):
-        torch = r.versions.get("torch", r.cell["torch"])
+        torch = r.versions.get("torch", r.cell.torch)
         verdict = known_bugs.judge_result(r).outcome.label
-        lines.append(f"| {label} | {r.cell['vllm']} | {torch} | {verdict}: {r.detail} | {_per_suite(r)} |")
+        lines.append(f"| {label} | {r.cell.vllm} | {torch} | {verdict}: {r.detail} | {_per_suite(r)} |")
     if cand.changed:
         shown = ", ".join(f"`{c}`" for c in cand.changed[:10]) + (" …" if len(cand.changed) > 10 else "")
         lines += ["", f"Python files laid over the {base} wheel: {shown}"]

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from kvcompat.atomic import write_atomic
+from kvcompat.cells import Cell
 from kvcompat.outcomes import Outcome, TestOutcome
 
 # The result format.  2: every verdict comes from a venv whose vLLM connector files matched their
@@ -68,7 +69,7 @@ class TestResult:
 class CellResult:
     """Everything known about one cell run."""
 
-    cell: dict  # Cell.to_json()
+    cell: Cell  # written as Cell.to_json()
     outcome: Outcome
     detail: str  # one line: why this outcome
     tests: list[TestResult] = dataclasses.field(default_factory=list)
@@ -91,13 +92,14 @@ class CellResult:
 
     @property
     def id(self) -> str:
-        return self.cell["id"]
+        return self.cell.id
 
     def counts(self) -> dict[str, int]:
         return count_tests(self.tests)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
+        d["cell"] = self.cell.to_json()
         d["outcome"] = self.outcome.value
         d["tests"] = [t.to_json() for t in self.tests]
         d["counts"] = self.counts()
@@ -107,6 +109,7 @@ class CellResult:
     def from_json(cls, d: dict) -> CellResult:
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in fields}
+        kw["cell"] = Cell.from_json(d["cell"])
         kw["outcome"] = Outcome(d["outcome"])
         kw["tests"] = [TestResult.from_json(t) for t in d.get("tests", [])]
         return cls(**kw)

@@ -149,7 +149,7 @@ def make_result(
         **given,
     }
     return CellResult(
-        cell=Cell(vllm=vllm, torch=torch, **cell_kw).to_json(),
+        cell=Cell(vllm=vllm, torch=torch, **cell_kw),
         outcome=outcome,
         tests=[TestResult(f"{prefix}{n}", TestOutcome(o), 0.5, m, suite) for n, o, m in tests],
         **result,

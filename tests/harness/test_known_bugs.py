@@ -139,6 +139,7 @@ def test_the_junit_skips_a_known_red_as_pytest_does_an_xfail_and_fails_an_entry_
 ):
     import xml.etree.ElementTree as ET
 
+    from kvcompat.cells import Cell
     from kvcompat.outcomes import Outcome
     from kvcompat.report.junit import render_junit
     from kvcompat.report.model import Report
@@ -150,7 +151,7 @@ def test_the_junit_skips_a_known_red_as_pytest_does_an_xfail_and_fails_an_entry_
     known_bugs.known.cache_clear()
     try:
         tests = [_t("test_x", "failed"), _t("test_y", "passed")]
-        result = CellResult({"id": "c", "vllm": "0.22.1"}, Outcome.TEST_FAIL, "d", tests)
+        result = CellResult(Cell(vllm="0.22.1", torch="2.9.0"), Outcome.TEST_FAIL, "d", tests)
         root = ET.fromstring(render_junit(Report([result], generated="2026-12-07")))
     finally:
         known_bugs.known.cache_clear()
@@ -163,18 +164,17 @@ def test_the_junit_skips_a_known_red_as_pytest_does_an_xfail_and_fails_an_entry_
 
 
 def test_kvcompat_show_and_list_give_the_judged_status_with_the_bug_beside_its_test(tmp_path):
-    from kvcompat import sessions
+    from kvcompat.cells import Cell
+    from kvcompat.commands.show import show
     from kvcompat.outcomes import Outcome
     from kvcompat.results import CellResult
 
     lru = "test_a_prompt_in_use_from_the_device_cache_is_evicted_from_the_cpu_tier_after_an_unused_one"
-    result = CellResult(
-        {"id": "vllm-0.33.0", "vllm": "0.33.0"}, Outcome.TEST_FAIL, "1 failed", [_t(lru, "failed", None)]
-    )
-    text = sessions.show(result)
+    result = CellResult(Cell(vllm="0.33.0", torch="2.14.0"), Outcome.TEST_FAIL, "1 failed", [_t(lru, "failed", None)])
+    text = show(result)
     first, *rest = text.splitlines()
     assert first.startswith(
-        "vllm-0.33.0: KNOWN BUG: 1 red explained by known vLLM bug cpu-tier-lru-ignores-device-hits"
+        "vllm-0.33.0__torch-2.14.0: KNOWN BUG: 1 red explained by known vLLM bug cpu-tier-lru-ignores-device-hits"
     )
     assert any("known vLLM bug (efficiency)" in line and "fixed in 0.34.0" in line for line in rest)
 

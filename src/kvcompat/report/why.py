@@ -152,24 +152,24 @@ def bisect_commands(rep: Report, gc: GridCell, test: TestResult) -> list[str]:
     where the contract passed (``--good``) to this one; and, where a newer release passed it,
     ``--find-fix`` up to the oldest such.  Other suites (upstream, e2e) and wheels have none."""
     c = gc.result.cell
-    if gc.suite != "ours" or c.get("wheel") or test.outcome not in BAD_TESTS:
+    if gc.suite != "ours" or c.wheel is not None or test.outcome not in BAD_TESTS:
         return []
     passed, ambiguous = rep.memo("bisect index", lambda: _bisect_index(rep))
-    here = _version_key(c["vllm"])
-    green = passed.get((c["dist"], gc.order, test.contract, test.shape), set())
+    here = _version_key(c.vllm)
+    green = passed.get((c.dist, gc.order, test.contract, test.shape), set())
     older = [v for v in green if _version_key(v) < here]
     newer = [v for v in green if _version_key(v) > here]
     name = test.nodeid if test.contract in ambiguous else test.contract
-    flags = f" --dist {c['dist']}" if c["dist"] != "vllm" else ""
-    flags += f" --torch {c['torch']}" if c.get("torch_override") else ""
+    flags = f" --dist {c.dist}" if c.dist != "vllm" else ""
+    flags += f" --torch {c.torch}" if c.torch_override else ""
     flags += f" --shapes {test.shape}" if test.shape else ""
     out = []
     if older or not newer:
         good = max(older, key=_version_key) if older else OLDER
-        out.append(f"nox -s bisect -- --test {name} --good {good} --bad {c['vllm']}{flags}")
+        out.append(f"nox -s bisect -- --test {name} --good {good} --bad {c.vllm}{flags}")
     if newer:
         fix = min(newer, key=_version_key)
-        out.append(f"nox -s bisect -- --find-fix --test {name} --bad {c['vllm']} --good {fix}{flags}")
+        out.append(f"nox -s bisect -- --find-fix --test {name} --bad {c.vllm} --good {fix}{flags}")
     return out
 
 
@@ -180,15 +180,15 @@ def _bisect_index(rep: Report) -> tuple[dict[tuple, set[str]], set[str]]:
     passed: dict[tuple, set[str]] = defaultdict(set)
     for gc in rep.cells:
         c = gc.result.cell
-        if gc.suite != "ours" or c.get("wheel"):
+        if gc.suite != "ours" or c.wheel is not None:
             continue
         runs: dict[tuple, list[TestResult]] = defaultdict(list)
         for t in gc.tests:
             if t.has_verdict:
-                runs[(c["dist"], gc.order, t.contract, t.shape)].append(t)
+                runs[(c.dist, gc.order, t.contract, t.shape)].append(t)
         for key, tests in runs.items():
             if all(t.outcome is TestOutcome.PASSED for t in tests):
-                passed[key].add(c["vllm"])
+                passed[key].add(c.vllm)
     nodeids = {t.nodeid: t.contract for gc in rep.cells for t in gc.tests}
     contracts = set(nodeids.values())
     ambiguous = {c for c in contracts if any(c in n and other != c for n, other in nodeids.items())}
@@ -197,7 +197,7 @@ def _bisect_index(rep: Report) -> tuple[dict[tuple, set[str]], set[str]]:
 
 def suite_mark(gc: GridCell) -> str:
     """The short name of a suite beside the square's lead: upstream, e2e, real NIXL 1.5.1."""
-    nixl = gc.result.cell.get("nixl", "fake")
+    nixl = gc.result.cell.nixl
     if gc.suite == "ours":
         return "ours" if nixl == "fake" else f"real NIXL {nixl}"
     return gc.suite

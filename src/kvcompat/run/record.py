@@ -11,7 +11,7 @@ from kvcompat.run.context import CellContext, now
 def finish(ctx: CellContext, outcome: Outcome, detail: str, **kw) -> CellResult:
     """Build the cell's result from what the phases found, write it atomically, and report it."""
     result = CellResult(
-        cell=ctx.cell.to_json(),
+        cell=ctx.cell,
         outcome=outcome,
         detail=detail,
         phases=ctx.phases,
