@@ -123,6 +123,32 @@ def count_tests(tests: list[TestResult]) -> dict[str, int]:
     return counts
 
 
+# A suite's tally: passed out of all its tests, then each other outcome it had, in these words.
+TALLY_WORDS = {"failed": "failed", "error": "error", "unsupported": "unsupported", "not_applicable": "n/a"}
+
+
+def suite_tally(tests: list[TestResult]) -> str:
+    """``49/53 passed, 4 n/a``: one suite's tests (n/a counted among them, never as red)."""
+    if not tests:
+        return "no tests ran"
+    counts = count_tests(tests)
+    others = [f"{counts[k]} {word}" for k, word in TALLY_WORDS.items() if counts[k]]
+    return ", ".join([f"{counts['passed']}/{len(tests)} passed", *others])
+
+
+def suite_tallies(result: CellResult) -> str:
+    """``ours 49/53 passed · upstream 99/102 passed, 3 n/a``: each suite's counts on their own, never summed.
+
+    A cell's verdict is our suite's; the upstream column (vLLM's own tests of the pair) is counted beside
+    it.  Suites in the order the cell ran them; a suite that ran no test says so.  "" for a cell without
+    suites or tests (it never reached them).
+    """
+    parts = []
+    for suite in dict.fromkeys([*result.suites, *(t.suite for t in result.tests)]):
+        parts.append(f"{suite} {suite_tally([t for t in result.tests if t.suite == suite])}")
+    return " · ".join(parts)
+
+
 def result_path(results_dir: Path, cell_id: str) -> Path:
     return results_dir / f"{cell_id}.json"
 

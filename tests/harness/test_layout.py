@@ -86,6 +86,14 @@ def test_harness_modules_import_without_vllm():
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr
 
 
+def test_the_runner_imports_no_report():
+    """A cell run writes its result and tally (kvcompat.results); the report reads them, never the other way."""
+    for name, path in modules().items():
+        if name == "kvcompat.run" or name.startswith("kvcompat.run."):
+            report = {m for m in imports(path) if m == "kvcompat.report" or m.startswith("kvcompat.report.")}
+            assert not report, f"{name} imports {sorted(report)}"
+
+
 def test_no_import_cycles():
     known = set(modules())
     graph = {

@@ -220,8 +220,8 @@ def test_suite_columns_and_disagreement(tmp_path):
 
 def test_a_cells_line_counts_ours_and_the_upstream_column_apart(tmp_path):
     """Ours 49/53 and upstream 99 passed are two tallies, never "49/53 (99 passed)": each suite on its own."""
-    from kvcompat.report.cells import suite_tallies, suite_tally
     from kvcompat.report.webpage import render_html
+    from kvcompat.results import suite_tallies, suite_tally
 
     ours = [("t_pass", "passed", None)] * 3 + [("t_na", "not_applicable", "absent"), ("t_fail", "failed", "E no")]
     r = result(

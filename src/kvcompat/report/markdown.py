@@ -17,12 +17,12 @@ from collections import defaultdict
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report import facts as cell_facts
 from kvcompat.report import why
-from kvcompat.report.cells import BAD_TESTS, GridCell, short_test, suite_tally
+from kvcompat.report.cells import BAD_TESTS, GridCell, short_test
 from kvcompat.report.drift import environment_pairs
 from kvcompat.report.model import Report
 from kvcompat.report.shaped import known_bug, red_line, shape_verdicts, shape_what
 from kvcompat.report.timeline import Timeline, TimelineRow, timelines_of
-from kvcompat.results import headline
+from kvcompat.results import headline, suite_tally
 
 # GitHub refuses a comment over 65,536 characters; the page keeps under this, with room for a wrapper.
 LIMIT = 60_000

@@ -14,7 +14,7 @@ from html import escape
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report import facts as cell_facts
 from kvcompat.report import why
-from kvcompat.report.cells import GridCell, panel_id, short_test, suite_tally
+from kvcompat.report.cells import GridCell, panel_id, short_test
 from kvcompat.report.drawer import bisect_html, bug_html, drawer, next_step
 from kvcompat.report.drift import environment_pairs
 from kvcompat.report.htmlstyle import (
@@ -30,7 +30,7 @@ from kvcompat.report.htmlstyle import (
 from kvcompat.report.model import Report
 from kvcompat.report.shaped import known_bug, red_line, shape_verdicts, shape_what
 from kvcompat.report.timeline import SQUARE_OUTCOME, Timeline, timelines_of
-from kvcompat.results import headline
+from kvcompat.results import headline, suite_tally
 
 # "Why not green" shows this many red tests of a square (its drawer has them all).
 WHY_TESTS = 5

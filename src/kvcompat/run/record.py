@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from kvcompat.outcomes import Outcome
-from kvcompat.report.cells import suite_tallies
-from kvcompat.results import CellResult, write_result
+from kvcompat.results import CellResult, suite_tallies, write_result
 from kvcompat.run.context import CellContext, now
 
 
