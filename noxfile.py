@@ -27,9 +27,12 @@ import nox
 ROOT = Path(__file__).parent.resolve()
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvcompat import known_bugs, options, sessions  # noqa: E402
+from kvcompat import known_bugs, options  # noqa: E402
 from kvcompat.cells import PYTHON  # noqa: E402
+from kvcompat.commands.matrix import matrix_cells, run_matrix_cell  # noqa: E402
+from kvcompat.commands.report import report_dirs, update_report  # noqa: E402
 from kvcompat.errors import one_line_errors  # noqa: E402
+from kvcompat.run.options import run_options  # noqa: E402
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
@@ -37,7 +40,7 @@ nox.options.sessions = ["matrix"]
 
 with one_line_errors():  # a bad matrix is one line on stderr and exit status 2, even for `nox -l`
     LISTING, _ = options.parse("matrix", [])  # nox lists sessions first: the cells come from the environment
-    CELLS = {cell.id: cell for cell in sessions.matrix_cells(ROOT, LISTING)}
+    CELLS = {cell.id: cell for cell in matrix_cells(ROOT, LISTING)}
 
 # What follows `--` on nox's command line.  nox builds a session's venv before its body runs, so the two
 # sessions with a venv of their own (tests, lint) get none when the body will only print its help or
@@ -56,12 +59,12 @@ def matrix(session: nox.Session, cell_id: str) -> None:
         # Before anything is installed: --help, or an argument matrix does not take, ends the run in the
         # first cell (every cell has the same posargs); only the pytest options of option_table.PYTEST_OPTIONS pass.
         values, pytest_args = options.parse("matrix", session.posargs)
-        opts = sessions.run_options(ROOT, values, pytest_args)
+        opts = run_options(ROOT, values, pytest_args)
         if not session.parallel:  # under -j each cell updates the report itself (below)
             session.notify("report", posargs=[])  # the matrix's posargs are for the cells
-        result = sessions.run_matrix_cell(ROOT, CELLS[cell_id], opts, progress=session.log, prune=values.prune)
+        result = run_matrix_cell(ROOT, CELLS[cell_id], opts, progress=session.log, prune=values.prune)
         if session.parallel:
-            sessions.update_report(ROOT, [opts.results_dir], if_any=True)
+            update_report(ROOT, [opts.results_dir], if_any=True)
     judged = known_bugs.judge_result(result)  # a red every known vLLM bug explains does not fail the run
     if judged.known and not judged.fails_run:
         session.log(f"{judged.outcome.label}: {judged.summary()}")
@@ -74,17 +77,12 @@ def matrix(session: nox.Session, cell_id: str) -> None:
 @nox.session(python=False)
 def mutants(session: nox.Session) -> None:
     """Mutate a cell's vLLM files (--target: multi_connector.py by default), run the suite, report killed/survived."""
-    from kvcompat.mutation import front, say
-    from kvcompat.mutation import session as mutation
+    from kvcompat.commands import mutants as mutation
 
     with one_line_errors():
         values, pytest_args = options.parse("mutants", session.posargs)  # only --deselect passes to pytest
-        runs = []
-        for cell in front.select_cells(list(CELLS.values()), values.k):
-            mo = front.options_for(ROOT, values, pytest_args)
-            runs += mutation.run_targets(cell, mo, progress=session.log)
-        sessions.update_report(ROOT, [ROOT / "results"], if_any=True)
-    bad = [say.summary(r) for r in runs if not r.ok]
+        runs = mutation.mutants(ROOT, list(CELLS.values()), values, pytest_args, progress=session.log)
+    bad = mutation.failures(runs)
     if bad:
         session.error("; ".join(bad))
 
@@ -96,7 +94,7 @@ def report(session: nox.Session) -> None:
 
     with one_line_errors():
         values, dirs = options.parse("report", session.posargs)  # no result in the folders: one line, exit 2
-        rep, paths = sessions.update_report(ROOT, sessions.report_dirs(ROOT, dirs), summary_file=values.summary_file)
+        rep, paths = update_report(ROOT, report_dirs(ROOT, dirs), summary_file=values.summary_file)
     print_table(rep)
     session.log("wrote " + ", ".join(str(p.relative_to(ROOT)) for p in paths))
 
@@ -127,16 +125,20 @@ def bisect(session: nox.Session) -> None:
 
     With --find-fix --bad OLD --good NEW: the first good release after a bad one.
     With --repo PATH GOOD BAD: the first bad commit of a vLLM git checkout."""
+    from kvcompat.commands.bisect import bisect as first_bad
+
     with one_line_errors():
-        sessions.bisect(ROOT, options.parse_bisect(session.posargs), say=session.log)
+        first_bad(ROOT, options.parse_bisect(session.posargs), say=session.log)
 
 
 @nox.session(python=False)
 def qualify(session: nox.Session) -> None:
     """A candidate vLLM against its base release: nox -s qualify -- CANDIDATE [--against RELEASE]."""
+    from kvcompat.commands.qualify import qualify as against_base
+
     with one_line_errors():
         values, _ = options.parse("qualify", session.posargs)  # values.candidate: the one positional
-        code, text = sessions.qualify(ROOT, values, say=session.log)
+        code, text = against_base(ROOT, values, say=session.log)
     print(text, end="")
     if code:
         session.error("the candidate regressed against its base release (see above)")
@@ -145,10 +147,8 @@ def qualify(session: nox.Session) -> None:
 @nox.session(python=False)
 def ci(session: nox.Session) -> None:
     """Write a CI pipeline that runs one job per cell: nox -s ci -- github|buildkite."""
-    from kvcompat import ci as pipelines
+    from kvcompat.commands.ci import ci as write_pipelines
 
     with one_line_errors():
         _, engines = options.parse("ci", session.posargs)
-        for engine in engines or ["github"]:
-            path = pipelines.write(engine, ROOT)
-            session.log(f"wrote {path.relative_to(ROOT)}")
+        write_pipelines(ROOT, engines, say=session.log)

@@ -35,9 +35,10 @@ def _verdicts(path: Path) -> dict[str, tuple[str, str | None]]:
 
 
 def main() -> int:
-    from kvcompat import options, sessions
+    from kvcompat import options
+    from kvcompat.commands import mutants as front
+    from kvcompat.commands.matrix import matrix_cells
     from kvcompat.errors import one_line_errors
-    from kvcompat.mutation import front
     from kvcompat.mutation import session as mutation
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -58,7 +59,7 @@ def main() -> int:
     groups = tuple(args.target or ("aggregator", "offload"))
     with one_line_errors():
         values, _ = options.parse("mutants", [])
-        (cell,) = front.select_cells(list(sessions.matrix_cells(REPO, values)), args.cell)
+        (cell,) = front.select_cells(list(matrix_cells(REPO, values)), args.cell)
         cell = dataclasses.replace(cell, suites=("ours",))  # our suite only, both ways
         with tempfile.TemporaryDirectory() as tmp:
             ids, reached = _sample(cell, values, groups, args.sample, Path(tmp), args.spread)

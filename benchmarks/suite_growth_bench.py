@@ -29,12 +29,13 @@ SUITE_ARGS = ["tests/connectors", "-m", "not real_nixl and not gpu", "-p", "no:c
 
 
 def _venv(cell_expr: str) -> Path:
-    from kvcompat import options, sessions
+    from kvcompat import options
+    from kvcompat.commands.matrix import matrix_cells
+    from kvcompat.commands.mutants import select_cells
 
     values, _ = options.parse("matrix", [])
-    from kvcompat.mutation.front import select_cells
 
-    (cell,) = select_cells(list(sessions.matrix_cells(REPO, values)), cell_expr)
+    (cell,) = select_cells(list(matrix_cells(REPO, values)), cell_expr)
     return REPO / ".kvcompat" / "venvs" / cell.id
 
 

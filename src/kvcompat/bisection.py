@@ -314,7 +314,7 @@ class Handler(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Cells:
-    """How a step runs its cell, as the matrix does (:mod:`kvcompat.sessions` fills it in)."""
+    """How a step runs its cell, as the matrix does (:mod:`kvcompat.commands.bisect` fills it in)."""
 
     opts: RunOptions
     run: Callable[[Entry, RunOptions, Callable[[str], None]], tuple[Cell, CellResult]]

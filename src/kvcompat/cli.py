@@ -18,7 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-from kvcompat import option_table, options, sessions
+from kvcompat import option_table, options
+from kvcompat.commands import bisect, matrix, qualify, report, show
 from kvcompat.errors import KvcompatError, one_line_errors
 
 
@@ -69,18 +70,18 @@ def run(argv: list[str]) -> int:
     if ns.command == "report":
         from kvcompat.report.terminal import print_table
 
-        dirs = sessions.report_dirs(root, ns.dirs)
-        rep, paths = sessions.update_report(root, dirs, summary_file=ns.summary_file)
+        dirs = report.report_dirs(root, ns.dirs)
+        rep, paths = report.update_report(root, dirs, summary_file=ns.summary_file)
         print_table(rep)
         print("wrote " + ", ".join(str(p) for p in paths))
     elif ns.command == "show":
-        print(sessions.show(sessions.find_result(root, ns.cell)))
+        print(show.show(show.find_result(root, ns.cell)))
     elif ns.command == "list":
-        print(sessions.list_cells(root, sessions.matrix_cells(root, ns)))
+        print(matrix.list_cells(root, matrix.matrix_cells(root, ns)))
     elif ns.command == "bisect":
-        sessions.bisect(root, ns)
+        bisect.bisect(root, ns)
     elif ns.command == "qualify":
-        code, text = sessions.qualify(root, ns, say=lambda line: print(line, file=sys.stderr))
+        code, text = qualify.qualify(root, ns, say=lambda line: print(line, file=sys.stderr))
         print(text, end="")
         return code
     return 0

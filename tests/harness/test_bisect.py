@@ -381,8 +381,9 @@ def test_a_test_name_is_checked_against_the_suite(tmp_path, test, ok):
 
 
 def test_a_name_no_test_has_is_refused_before_the_index_is_asked(tmp_path, monkeypatch):
-    """sessions.bisect checks --test first: nothing is listed, resolved or installed for a name no test has."""
-    from kvcompat import index, sessions
+    """commands.bisect checks --test first: nothing is listed, resolved or installed for a name no test has."""
+    from kvcompat import index
+    from kvcompat.commands.bisect import bisect
 
     def no_index(*args, **kwargs):
         raise AssertionError("the index was asked")
@@ -390,17 +391,17 @@ def test_a_name_no_test_has_is_refused_before_the_index_is_asked(tmp_path, monke
     monkeypatch.setattr(index, "list_versions", no_index)
     values, _ = options.parse("bisect", ["--test", "test_frist_wins", "--good", "0.0.1", "--bad", "0.0.2"], {})
     with pytest.raises(bis.BisectError) as err:
-        sessions.bisect(suite(tmp_path), values, say=lambda line: None)
+        bisect(suite(tmp_path), values, say=lambda line: None)
     assert str(err.value).startswith("--test 'test_frist_wins' names no test of tests/connectors (bisect runs that")
     assert "close: test_first_wins," in str(err.value)
 
 
 def test_a_commit_bisect_checks_the_name_before_reading_the_checkout(tmp_path):
-    from kvcompat import sessions
+    from kvcompat.commands.bisect import bisect
 
     ns = options.parse_bisect(["--repo", str(tmp_path / "no-repo"), "a", "b", "--test", "test_nope"], {})
     with pytest.raises(bis.BisectError, match="--test 'test_nope' names no test of tests/connectors"):
-        sessions.bisect(suite(tmp_path), ns, say=lambda line: None)
+        bisect(suite(tmp_path), ns, say=lambda line: None)
 
 
 def _step_counters(lines):

@@ -7,8 +7,9 @@ import os
 import pytest
 from packaging.version import Version
 
-from kvcompat import options, sessions
+from kvcompat import options
 from kvcompat.cells import Cell
+from kvcompat.commands import venvs
 from kvcompat.matrix import load_matrix
 from kvcompat.run.lock import held
 
@@ -51,7 +52,7 @@ def test_prune_option():
 
 
 def fake_venv(root, cell):
-    venv = sessions.cell_venv(root, cell)
+    venv = venvs.cell_venv(root, cell)
     (venv / "lib").mkdir(parents=True)
     cache = root / "uv-cache"
     cache.mkdir()
@@ -65,12 +66,12 @@ def test_prune_frees_the_venvs_own_bytes_and_keeps_the_cache(tmp_path):
     cell = Cell(vllm="0.33.0", torch="2.14.0")
     venv, cache = fake_venv(tmp_path, cell)
     said = []
-    assert sessions.prune_venv(tmp_path, cell, said.append) == 300
+    assert venvs.prune_venv(tmp_path, cell, said.append) == 300
     assert not venv.exists() and (cache / "torch.so").stat().st_size == 5000
     assert said == [
         f"pruned .kvcompat/venvs/{cell.id}: 0.00 GiB freed (its wheels stay in uv's cache, its bytecode beside its lock)"
     ]
-    assert sessions.prune_venv(tmp_path, cell, said.append) == 0  # nothing left to prune
+    assert venvs.prune_venv(tmp_path, cell, said.append) == 0  # nothing left to prune
 
 
 def test_prune_leaves_a_venv_another_run_holds(tmp_path):
@@ -80,6 +81,6 @@ def test_prune_leaves_a_venv_another_run_holds(tmp_path):
     with held(venv, cell.id):
         pid = os.fork()
         if pid == 0:  # another process: the lock is per open file, so try from a child
-            os._exit(0 if sessions.prune_venv(tmp_path, cell, said.append) == 0 and venv.exists() else 1)
+            os._exit(0 if venvs.prune_venv(tmp_path, cell, said.append) == 0 and venv.exists() else 1)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0 and venv.exists()

@@ -86,6 +86,16 @@ def test_harness_modules_import_without_vllm():
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr
 
 
+def test_only_the_front_doors_import_the_verbs():
+    """kvcompat.commands is the verbs: noxfile.py and cli.py call them, no other module of src/ does."""
+    for name, path in modules().items():
+        if name == "kvcompat.cli" or name.startswith("kvcompat.commands"):
+            continue
+        verbs = {m for m in imports(path) if m == "kvcompat.commands" or m.startswith("kvcompat.commands.")}
+        assert not verbs, f"{name} imports {sorted(verbs)}: only the front doors (noxfile.py, cli.py) call the verbs"
+    assert "kvcompat.commands" in (REPO / "noxfile.py").read_text()
+
+
 def test_the_runner_imports_no_report():
     """A cell run writes its result and tally (kvcompat.results); the report reads them, never the other way."""
     for name, path in modules().items():

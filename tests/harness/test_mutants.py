@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from kvcompat.cells import Cell
+from kvcompat.commands import mutants as front
 from kvcompat.index import uv_bin
 from kvcompat.mutation import catalogue as cat
-from kvcompat.mutation import context, front, record
+from kvcompat.mutation import context, record
 from kvcompat.mutation import session as mutation
 from kvcompat.mutation.guard import Guard, sha256_record
 from kvcompat.report import mutants as mutation_report

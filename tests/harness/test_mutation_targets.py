@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcompat.mutation import context, covmap, front, operators, plan, record, say, score
+from kvcompat.commands import mutants as front
+from kvcompat.mutation import context, covmap, operators, plan, record, say, score
 from kvcompat.mutation import targets as tg
 from kvcompat.mutation.catalogue import TARGET
 from kvcompat.mutation.guard import Guard, journaled, sha256_record

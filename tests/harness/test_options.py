@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcompat import option_docs, option_table, options, sessions
+from kvcompat import option_docs, option_table, options
 from kvcompat.option_table import OptionError
+from kvcompat.run.options import run_options
 
 from helpers import REPO
 
@@ -20,12 +21,10 @@ def test_environment_fills_what_the_command_line_leaves_out():
     assert rest == ["-k", "load"]  # the pytest options matrix passes through, in order
     assert values.timeout == 60.0 and values.find_links == ("/w1", "/w2")
     assert values.index_url == "https://mirror.example/simple"  # uv's older spelling counts too
-    opts = sessions.run_options(REPO, values, rest)
+    opts = run_options(REPO, values, rest)
     assert opts.upstream_index == "https://sdists.example/simple" and opts.pytest_args == ("-k", "load")
     values, _ = options.parse("matrix", [], {"UV_DEFAULT_INDEX": "https://a.example/simple"})
-    assert (
-        sessions.run_options(REPO, values, []).upstream_index == "https://a.example/simple"
-    )  # falls back to the index
+    assert run_options(REPO, values, []).upstream_index == "https://a.example/simple"  # falls back to the index
 
 
 def test_the_command_line_wins_over_the_environment():

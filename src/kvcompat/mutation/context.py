@@ -20,7 +20,7 @@ from kvcompat.mutation import targets as tg
 from kvcompat.mutation.guard import Guard, GuardError
 from kvcompat.run import install, suites
 from kvcompat.run.context import CellContext
-from kvcompat.run.options import RunOptions
+from kvcompat.run.options import run_options
 
 
 class MutationError(KvcompatError):
@@ -95,8 +95,10 @@ def rel(path: Path, root: Path) -> Path:
 
 
 def cell_context(cell: Cell, mo: MutationOptions, progress: Callable[[str], None], timeout_s: float) -> CellContext:
-    opts = RunOptions(
-        repo=mo.repo,
+    opts = run_options(
+        mo.repo,
+        None,
+        mo.pytest_args,
         # record.finish is never called here: the cell's own result file is not ours to write.
         results_dir=mo.home / "cells" / cell.id,
         suite=mo.suite,
@@ -105,7 +107,6 @@ def cell_context(cell: Cell, mo: MutationOptions, progress: Callable[[str], None
         heartbeat_s=mo.heartbeat_s,
         index_url=mo.index_url,
         find_links=mo.find_links,
-        pytest_args=mo.pytest_args,
     )
     # In-tree bytecode: the guard deletes the mutated file's .pyc on every swap, and a prefix tree
     # would keep serving the other version's.

@@ -1,9 +1,11 @@
-"""The knobs of a cell run, resolved once (by kvcompat.options, bisect or tests)."""
+"""The knobs of a cell run, resolved once (by kvcompat.options, bisect or tests), and the one way to build them."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -34,3 +36,33 @@ class RunOptions:
     @property
     def work_root(self) -> Path:
         return self.work_dir or self.repo / ".kvcompat" / "cells"
+
+
+# A command line's values (kvcompat.options) -> the RunOptions field each sets; a command without the option
+# (bisect has no --timeout) leaves the field at its default.
+FROM_VALUES = {
+    "force": "force",
+    "timeout": "timeout_s",
+    "min_free_gb": "min_free_gb",
+    "disk_budget": "disk_budget_gb",
+    "shapes": "shapes",
+    "find_links": "find_links",
+    "index_url": "index_url",
+}
+
+
+def run_options(root: Path, values: Any = None, pytest_args: Iterable[str] = (), **fields: Any) -> RunOptions:
+    """The knobs of a cell run of the project at ``root``: results in results/, the options ``values`` has
+    (a command's parsed values; None: none), ``pytest_args`` after the suite's own, then ``fields`` as given.
+
+    The upstream suite's index is ``--upstream-index``, or the ``--index-url`` the cells resolve against.
+    Every RunOptions the harness makes comes from here: the matrix, bisect, qualify and mutants sessions.
+    """
+    known: dict[str, Any] = {}
+    if values is not None:
+        known = {field: getattr(values, name) for name, field in FROM_VALUES.items() if hasattr(values, name)}
+        if "index_url" in known:
+            known["upstream_index"] = getattr(values, "upstream_index", None) or values.index_url
+    return RunOptions(
+        **{"repo": root, "results_dir": root / "results", "pytest_args": tuple(pytest_args), **known, **fields}
+    )

@@ -1,13 +1,18 @@
-"""The nox session's front of ``nox -s mutants``: which cells ``-k`` picks, and the session's options from
-the command line's values."""
+"""``nox -s mutants``: the cells ``-k`` picks, the session's options from the command line, one mutation run
+per picked cell and target group, then the report."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from kvcompat.cells import Cell
+from kvcompat.commands.report import update_report
+from kvcompat.mutation import say
+from kvcompat.mutation import session as mutation
 from kvcompat.mutation import targets as tg
 from kvcompat.mutation.context import MutationError, MutationOptions
+from kvcompat.mutation.record import MutationRun
 
 
 class _Keywords(dict):
@@ -68,3 +73,20 @@ def options_for(root: Path, values, pytest_args: list[str] = ()) -> MutationOpti
         fork_jobs=int(getattr(values, "fork_jobs", None) or MutationOptions.fork_jobs),
         targets=tg.check_groups(tuple(getattr(values, "target", ()) or tg.DEFAULT_GROUPS)),
     )
+
+
+def mutants(
+    root: Path, cells: list[Cell], values, pytest_args: list[str], progress: Callable[[str], None]
+) -> list[MutationRun]:
+    """A mutation run of each target group in each cell ``values.k`` picks, then reports/ updated; the runs."""
+    runs: list[MutationRun] = []
+    for cell in select_cells(cells, values.k):
+        mo = options_for(root, values, pytest_args)
+        runs += mutation.run_targets(cell, mo, progress=progress)
+    update_report(root, [root / "results"], if_any=True)
+    return runs
+
+
+def failures(runs: list[MutationRun]) -> list[str]:
+    """One summary line per run that did not pass (a survivor, an error)."""
+    return [say.summary(r) for r in runs if not r.ok]
