@@ -21,9 +21,8 @@ from kvcompat import bisection as bis
 from kvcompat import index
 from kvcompat.cells import Cell
 from kvcompat.matrix import Entry
+from kvcompat.run.cellfiles import CellFiles
 from kvcompat.run.options import RunOptions
-
-SITE = "lib/python3.11/site-packages"
 
 
 def releases_between(available: list[Version], good: str, bad: str, *, pre: bool, find_fix: bool = False) -> list[str]:
@@ -164,8 +163,8 @@ def connector_tree(root: Path, cell: Cell, index_url: str, venv: Callable[[Cell]
     fetched once from the same index uv resolves against, and just the connector
     folders are extracted.
     """
-    site = venv(cell) / SITE
-    if (site / "vllm" / "distributed" / "kv_transfer").is_dir():
+    site = CellFiles.site_packages(venv(cell))
+    if site is not None and (site / "vllm" / "distributed" / "kv_transfer").is_dir():
         return site
     dest = root / ".kvcompat" / "sources" / f"{cell.dist}-{cell.vllm}"
     if dest.is_dir():

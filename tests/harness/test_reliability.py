@@ -575,3 +575,16 @@ def test_nox_on_a_300_release_range_is_one_line_and_exit_2(tmp_path):
 
 def paths_by_suffix(paths, *suffixes):
     return [next(p for p in paths if p.suffix == s) for s in suffixes]
+
+
+def test_the_cell_files_say_where_a_cells_venv_and_its_site_packages_are(tmp_path):
+    from kvcompat.cells import Cell
+    from kvcompat.run.cellfiles import CellFiles
+
+    cell = Cell(vllm="0.34.0", torch="2.14.0", python="3.12")
+    venv = CellFiles.venv(tmp_path, cell)
+    assert venv == tmp_path / ".kvcompat" / "venvs" / cell.id
+    assert CellFiles.site_packages(venv) is None  # not created yet
+    site = venv / "lib" / "python3.12" / "site-packages"  # whichever Python built it, not a hard-coded 3.11
+    site.mkdir(parents=True)
+    assert CellFiles.site_packages(venv) == site

@@ -1,11 +1,16 @@
-"""The files one cell owns while it runs: its log, lock, running marker and pytest reports."""
+"""The files one cell owns: its venv and the venv's site-packages, and while it runs its log, lock,
+running marker and pytest reports.  The one place that says where they are."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+from kvcompat.cells import Cell
 from kvcompat.results import result_path, tail
+
+# Under the project's root: one venv per cell, named by the cell's id.
+VENVS = Path(".kvcompat") / "venvs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +20,17 @@ class CellFiles:
     work: Path
     results_dir: Path
     cell_id: str
+
+    @staticmethod
+    def venv(root: Path, cell: Cell) -> Path:
+        """The cell's one venv in the project at ``root``: .kvcompat/venvs/<cell id>."""
+        return root / VENVS / cell.id
+
+    @staticmethod
+    def site_packages(venv: Path) -> Path | None:
+        """The venv's site-packages (lib/python3.X/site-packages, whichever Python built it); None
+        while the venv has none (not created yet, or removed)."""
+        return next(iter(sorted(venv.glob("lib/python3.*/site-packages"))), None)
 
     @property
     def log(self) -> Path:

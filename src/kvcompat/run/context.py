@@ -41,6 +41,11 @@ class CellContext:
     def python(self) -> Path:
         return self.venv / "bin" / "python"
 
+    @property
+    def site_packages(self) -> Path | None:
+        """The venv's site-packages (see :meth:`CellFiles.site_packages`); None before it is created."""
+        return CellFiles.site_packages(self.venv)
+
     def say(self, msg: str) -> None:
         self.progress(f"[{self.cell.id}] {msg}")
 

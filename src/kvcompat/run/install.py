@@ -43,7 +43,8 @@ def _free_gib(ctx: CellContext) -> float | None:
     ctx.venv.parent.mkdir(parents=True, exist_ok=True)
     # nox creates the (empty) venv before the session runs: only an installed vLLM means
     # the big downloads are already on disk.
-    if any(ctx.venv.glob("lib/python*/site-packages/vllm*.dist-info")):
+    site = ctx.site_packages
+    if site is not None and any(site.glob("vllm*.dist-info")):
         return None
     return shutil.disk_usage(ctx.venv.parent).free / 2**30
 
@@ -202,7 +203,7 @@ def check_abi(ctx: CellContext, versions: dict[str, str]) -> dict:
     """Would the cell's compiled extensions link against its torch? (see kvcompat.abi)"""
     from kvcompat import abi
 
-    site = next(ctx.venv.glob("lib/python*/site-packages"), None)
+    site = ctx.site_packages
     if site is None or "torch" not in versions:
         return {}
     cache_dir = ctx.opts.repo / ".kvcompat" / "cache" / "abi"

@@ -129,7 +129,7 @@ def refusal(verdict: Verdict, venv: Path) -> str:
 
 def phase(ctx: CellContext, installed: Installed) -> Installed | CellResult:
     """Let the tests run only on the release's own connector files; otherwise record an install error and refuse."""
-    site = next(ctx.venv.glob("lib/python*/site-packages"), None)
+    site = ctx.site_packages
     verdict = check(site, ctx.cell.dist) if site is not None else Verdict(ctx.cell.dist, no_record=True)
     if verdict.ok:
         installed.integrity = verdict.to_json()
