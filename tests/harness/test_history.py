@@ -11,6 +11,7 @@ from kvcompat import options
 from kvcompat.cells import Cell
 from kvcompat.commands import venvs
 from kvcompat.matrix import load_matrix
+from kvcompat.run.cellfiles import CellFiles
 from kvcompat.run.lock import held
 
 from helpers import REPO
@@ -52,7 +53,7 @@ def test_prune_option():
 
 
 def fake_venv(root, cell):
-    venv = venvs.cell_venv(root, cell)
+    venv = CellFiles.venv(root, cell)
     (venv / "lib").mkdir(parents=True)
     cache = root / "uv-cache"
     cache.mkdir()

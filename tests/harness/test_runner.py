@@ -407,10 +407,11 @@ def test_unchanged_within_the_ttl_runs_no_uv_unless_a_resolve_input_changed(
 def test_a_pruned_cell_reruns_on_the_bytecode_it_compiled(tmp_path, fake_wheel, make_suite, opts):
     """--prune deletes the venv but not the bytecode: a rerun reinstalled from uv's cache imports
     the .pyc files of the first run instead of compiling them again."""
-    from kvcompat.commands.venvs import cell_venv, prune_venv
+    from kvcompat.commands.venvs import prune_venv
+    from kvcompat.run.cellfiles import CellFiles
 
     cell, suite = wheel_cell(fake_wheel()), make_suite(test_ok=PASSING)
-    venv = cell_venv(tmp_path, cell)
+    venv = CellFiles.venv(tmp_path, cell)
     first = run_cell(cell, venv, opts(suite), progress=lambda s: None)
     assert first.outcome is Outcome.PASS
     compiled = {p: p.stat().st_mtime_ns for p in (tmp_path / "work" / first.id / "bytecode").rglob("*.pyc")}

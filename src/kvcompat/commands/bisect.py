@@ -10,9 +10,10 @@ from pathlib import Path
 from kvcompat import bisect_commits, bisect_releases
 from kvcompat import bisection as bis
 from kvcompat.cells import Cell, resolve_entry
-from kvcompat.commands.venvs import cell_venv, prune_venv
+from kvcompat.commands.venvs import prune_venv
 from kvcompat.matrix import Entry
 from kvcompat.results import CellResult
+from kvcompat.run.cellfiles import CellFiles
 from kvcompat.run.options import RunOptions, run_options
 from kvcompat.run.workflow import run_cell
 
@@ -26,9 +27,11 @@ def bisect(root: Path, values: Namespace, say: Callable[[str], None] = print) ->
 
     def run(entry: Entry, opts: RunOptions, progress: Callable[[str], None]) -> tuple[Cell, CellResult]:
         cell = resolve_entry(root, entry, index_url=values.index_url, find_links=values.find_links)
-        return cell, run_cell(cell, cell_venv(root, cell), opts, progress=progress)
+        return cell, run_cell(cell, CellFiles.venv(root, cell), opts, progress=progress)
 
-    cells = bis.Cells(opts, run, venv=functools.partial(cell_venv, root), prune=functools.partial(prune_venv, root))
+    cells = bis.Cells(
+        opts, run, venv=functools.partial(CellFiles.venv, root), prune=functools.partial(prune_venv, root)
+    )
     handler = bisect_commits.handler if values.repo is not None else bisect_releases.handler
     return bis.run(
         handler(root, values, cells, say), test=values.test, find_fix=bool(getattr(values, "find_fix", False)), say=say

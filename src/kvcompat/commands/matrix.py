@@ -8,8 +8,9 @@ from pathlib import Path
 
 from kvcompat import known_bugs
 from kvcompat.cells import Cell, load_cells
-from kvcompat.commands.venvs import cell_venv, prune_venv
+from kvcompat.commands.venvs import prune_venv
 from kvcompat.results import CellResult, UnreadableResult, check_result, result_path
+from kvcompat.run.cellfiles import CellFiles
 from kvcompat.run.options import RunOptions
 from kvcompat.run.workflow import run_cell
 
@@ -23,7 +24,7 @@ def run_matrix_cell(
     root: Path, cell: Cell, opts: RunOptions, progress: Callable[[str], None], *, prune: bool = False
 ) -> CellResult:
     """Run one cell; with ``prune`` delete its venv afterwards (``--prune``: a long matrix on a small disk)."""
-    result = run_cell(cell, cell_venv(root, cell), opts, progress=progress)
+    result = run_cell(cell, CellFiles.venv(root, cell), opts, progress=progress)
     if prune:
         prune_venv(root, cell, progress)
     return result

@@ -14,8 +14,8 @@ from kvcompat import index, upstream
 from kvcompat import qualify as q
 from kvcompat.atomic import write_atomic
 from kvcompat.cells import resolve_entry
-from kvcompat.commands.venvs import cell_venv
 from kvcompat.matrix import Entry
+from kvcompat.run.cellfiles import CellFiles
 from kvcompat.run.options import run_options
 from kvcompat.run.workflow import run_cell
 
@@ -60,10 +60,10 @@ def qualify(root: Path, values: Namespace, say: Callable[[str], None] = print) -
     # The candidate runs the base release's upstream tests (a wheel has no sdist of its own on the index).
     cand_cell = dataclasses.replace(cand_cell, upstream_from=base)
     opts = run_options(root, values)
-    base_result = run_cell(base_cell, cell_venv(root, base_cell), opts, progress=lambda s: say("  base: " + s))
+    base_result = run_cell(base_cell, CellFiles.venv(root, base_cell), opts, progress=lambda s: say("  base: " + s))
     cand_opts = dataclasses.replace(opts, results_dir=root / "results" / "qualify")
     cand_result = run_cell(
-        cand_cell, cell_venv(root, cand_cell), cand_opts, progress=lambda s: say("  candidate: " + s)
+        cand_cell, CellFiles.venv(root, cand_cell), cand_opts, progress=lambda s: say("  candidate: " + s)
     )
     cmp = q.compare(base_result, cand_result)
     text = q.render_markdown(cmp, candidate, base)

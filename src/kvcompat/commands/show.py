@@ -7,8 +7,15 @@ from pathlib import Path
 from kvcompat import known_bugs
 from kvcompat.errors import KvcompatError
 from kvcompat.outcomes import TestOutcome
-from kvcompat.report.cells import suite_tallies
-from kvcompat.results import CellResult, UnreadableResult, check_result, headline, load_results, result_path
+from kvcompat.results import (
+    CellResult,
+    UnreadableResult,
+    check_result,
+    headline,
+    load_results,
+    result_path,
+    suite_tallies,
+)
 
 
 def find_result(root: Path, name: str) -> CellResult:

@@ -1,4 +1,4 @@
-"""A cell's venv as the verbs share it: where it is, and ``--prune``'s removal of a finished one."""
+"""``--prune`` (the matrix, bisect): a finished cell's venv removed under its lock; where it is, CellFiles says."""
 
 from __future__ import annotations
 
@@ -8,12 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvcompat.cells import Cell
+from kvcompat.run.cellfiles import CellFiles
 from kvcompat.run.lock import CellBusyError, held
-
-
-def cell_venv(root: Path, cell: Cell) -> Path:
-    """The one venv of a cell: the matrix, bisect and the CLI all use it."""
-    return root / ".kvcompat" / "venvs" / cell.id
 
 
 def prune_venv(root: Path, cell: Cell, say: Callable[[str], None]) -> int:
@@ -23,7 +19,7 @@ def prune_venv(root: Path, cell: Cell, say: Callable[[str], None]) -> int:
     entry points, metadata); the cache keeps every wheel for the next cell or rerun.  A venv another
     run holds is left alone.
     """
-    venv = cell_venv(root, cell)
+    venv = CellFiles.venv(root, cell)
     if not venv.is_dir():
         return 0
     try:
