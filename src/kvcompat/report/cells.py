@@ -15,7 +15,6 @@ from packaging.version import InvalidVersion, Version
 from kvcompat import known_bugs
 from kvcompat.outcomes import CHILD_ORDERS, Outcome, TestOutcome, cell_outcome
 from kvcompat.results import CellResult, TestResult, count_tests
-from kvcompat.results import suite_tallies as suite_tallies  # moved to kvcompat.results; for callers not yet moved
 
 # A verdict against the release: unsupported (vLLM refused the user's configuration) is as red as a failure.
 BAD_TESTS = (TestOutcome.FAILED, TestOutcome.UNSUPPORTED, TestOutcome.ERROR)
