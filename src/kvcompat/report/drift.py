@@ -29,6 +29,17 @@ class EnvironmentPair:
     def drifted(self) -> bool:
         return self.as_released.outcome.is_green != self.today.outcome.is_green
 
+    @property
+    def cutoff(self) -> str | None:
+        """The as-released cell's index cutoff (its recorded environment, else the cell's own)."""
+        old = self.as_released.result
+        return (old.environment or {}).get("exclude_newer") or old.cell.exclude_newer
+
+    def changes(self, most: int = 12) -> str:
+        """The first ``most`` version changes, ``torch 2.13.0 → 2.14.0, …``, and how many more."""
+        shown = ", ".join(f"{n} {a or '—'} → {b or '—'}" for n, a, b in self.changed[:most])
+        return shown + (f" and {len(self.changed) - most} more" if len(self.changed) > most else "")
+
 
 def _rank(name: str) -> tuple[int, str]:
     return next((i for i, pattern in enumerate(RELEVANCE) if re.search(pattern, name)), len(RELEVANCE)), name

@@ -12,7 +12,6 @@ the rest is (compat.html, compat.json).
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 
 from kvcompat.outcomes import Outcome, TestOutcome
 from kvcompat.report import facts as cell_facts
@@ -22,7 +21,7 @@ from kvcompat.report.drift import environment_pairs
 from kvcompat.report.model import Report
 from kvcompat.report.shaped import known_bug, red_line, shape_verdicts, shape_what
 from kvcompat.report.timeline import Timeline, TimelineRow, timelines_of
-from kvcompat.results import headline, suite_tally
+from kvcompat.results import suite_tally
 
 # GitHub refuses a comment over 65,536 characters; the page keeps under this, with room for a wrapper.
 LIMIT = 60_000
@@ -380,13 +379,10 @@ def render_drift(rep: Report) -> list[str]:
     out = ["## As released and today", "", "vLLM is the same in both cells; the packages around it are not.", ""]
     for d in pairs:
         old, new = d.as_released, d.today
-        cutoff = (old.result.environment or {}).get("exclude_newer") or old.result.cell.exclude_newer
-        changes = ", ".join(f"{n} {a or '—'} → {b or '—'}" for n, a, b in d.changed[:12])
-        more = f" and {len(d.changed) - 12} more" if len(d.changed) > 12 else ""
         verdict = "**ecosystem drift**" if d.drifted else "same verdict"
         out.append(
-            f"- **{new.result.cell.vllm}** ({new.torch_label}): {verdict}: as released (index up to {cutoff}) "
-            f"**{old.outcome.label}**, today **{new.outcome.label}**; {len(d.changed)} packages differ: {changes}{more}"
+            f"- **{new.result.cell.vllm}** ({new.torch_label}): {verdict}: as released (index up to {d.cutoff}) "
+            f"**{old.outcome.label}**, today **{new.outcome.label}**; {len(d.changed)} packages differ: {d.changes()}"
         )
     return out + [""]
 
@@ -485,11 +481,7 @@ def render_breakdown(rep: Report) -> list[str]:
 
 def render_not_applicable(rep: Report) -> list[str]:
     """The tests that found their capability absent, grouped by reason and contract, folded."""
-    groups: dict[tuple[str, str], list[tuple[GridCell, str]]] = defaultdict(list)
-    for gc in rep.ordered():
-        for t in gc.tests:
-            if t.outcome is TestOutcome.NOT_APPLICABLE:
-                groups[(headline(t.message), t.contract)].append((gc, t.nodeid))
+    groups = rep.not_applicable()
     if not groups:
         return []
     n = sum(len(v) for v in groups.values())

@@ -24,7 +24,7 @@ from kvcompat import known_bugs
 from kvcompat.outcomes import CHILD_ORDERS, Outcome, TestOutcome
 from kvcompat.report.cells import BAD_TESTS, GridCell, _version_key, grid_cells
 from kvcompat.report.shaped import shape_order
-from kvcompat.results import CellResult, TestResult, UnreadableResult, scan_results
+from kvcompat.results import CellResult, TestResult, UnreadableResult, headline, scan_results
 
 T = TypeVar("T")
 # A history run: results from this many releases make the timeline the report's headline view.
@@ -120,6 +120,16 @@ class Report:
     def ordered(self) -> list[GridCell]:
         """Grid cells in display order (rows, then columns, each square's lead first)."""
         return [gc for row in self.rows for col in self.columns for gc in self.square(row, col)]
+
+    def not_applicable(self) -> dict[tuple[str, str], list[tuple[GridCell, str]]]:
+        """The not-applicable tests grouped by (reason's telling line, contract), each with the squares and node
+        ids where it ran, in display order: what the Markdown and the page's "Not applicable" sections list."""
+        groups: dict[tuple[str, str], list[tuple[GridCell, str]]] = defaultdict(list)
+        for gc in self.ordered():
+            for t in gc.tests:
+                if t.outcome is TestOutcome.NOT_APPLICABLE:
+                    groups[(headline(t.message), t.contract)].append((gc, t.nodeid))
+        return groups
 
     def notes(self, gc: GridCell) -> list[int]:
         """The footnotes (1-based) that explain ``gc``'s overrides."""

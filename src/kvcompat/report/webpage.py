@@ -8,10 +8,9 @@ colours and glyphs) and :mod:`kvcompat.report.drawer` each grid cell's drill-dow
 
 from __future__ import annotations
 
-from collections import defaultdict
 from html import escape
 
-from kvcompat.outcomes import Outcome, TestOutcome
+from kvcompat.outcomes import Outcome
 from kvcompat.report import facts as cell_facts
 from kvcompat.report import why
 from kvcompat.report.cells import GridCell, panel_id, short_test
@@ -30,7 +29,7 @@ from kvcompat.report.htmlstyle import (
 from kvcompat.report.model import Report
 from kvcompat.report.shaped import known_bug, red_line, shape_verdicts, shape_what
 from kvcompat.report.timeline import SQUARE_OUTCOME, Timeline, timelines_of
-from kvcompat.results import headline, suite_tally
+from kvcompat.results import suite_tally
 
 # "Why not green" shows this many red tests of a square (its drawer has them all).
 WHY_TESTS = 5
@@ -268,15 +267,12 @@ def _drift(rep: Report) -> str:
     parts = ["<h2>As released and today</h2><p>vLLM is the same in both cells; the packages around it are not.</p><ul>"]
     for d in pairs:
         old, new = d.as_released, d.today
-        cutoff = (old.result.environment or {}).get("exclude_newer") or old.result.cell.exclude_newer
-        changes = ", ".join(f"{n} {a or '—'} → {b or '—'}" for n, a, b in d.changed[:12])
-        more = f" and {len(d.changed) - 12} more" if len(d.changed) > 12 else ""
         verdict = "<b>ecosystem drift</b>" if d.drifted else "same verdict"
         parts.append(
             f"<li><b>{escape(new.result.cell.vllm)}</b> ({escape(new.torch_label)}): {verdict}: as released "
-            f'(index up to {escape(str(cutoff))}) <a href="#{panel_id(old)}">{escape(old.outcome.label)}</a>, today '
+            f'(index up to {escape(str(d.cutoff))}) <a href="#{panel_id(old)}">{escape(old.outcome.label)}</a>, today '
             f'<a href="#{panel_id(new)}">{escape(new.outcome.label)}</a>; {len(d.changed)} packages differ: '
-            f"{escape(changes + more)}</li>"
+            f"{escape(d.changes())}</li>"
         )
     return "".join(parts) + "</ul>"
 
@@ -375,11 +371,7 @@ def _breakdown(rep: Report) -> str:
 
 
 def _not_applicable(rep: Report) -> str:
-    groups: dict[tuple[str, str], list[tuple[GridCell, str]]] = defaultdict(list)
-    for gc in rep.ordered():
-        for t in gc.tests:
-            if t.outcome is TestOutcome.NOT_APPLICABLE:
-                groups[(headline(t.message), t.contract)].append((gc, t.nodeid))
+    groups = rep.not_applicable()
     if not groups:
         return ""
     n = sum(len(v) for v in groups.values())
