@@ -51,8 +51,16 @@ def make_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
         structured_output_manager=StructuredOutputManager(vllm_config),
         log_stats=False,
     )
-    if "block_size" in _params(Scheduler):  # AsyncScheduler(*args, **kwargs) passes them on
+    params = _params(Scheduler)  # AsyncScheduler(*args, **kwargs) passes them on
+    if "block_size" in params:
         kwargs["block_size"] = vllm_config.cache_config.block_size
+    utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
+    if "hash_block_size" in params and hasattr(utils, "resolve_kv_cache_block_sizes"):
+        # The sizes EngineCore resolves (v1/engine/core.py 0.34.0 L190-201): the LCM of a hybrid model's
+        # groups, and requests hashed finer than a block under --prefix-match-unit.
+        kwargs["block_size"], kwargs["hash_block_size"] = utils.resolve_kv_cache_block_sizes(
+            kv_cache_config, vllm_config
+        )
     return cls(**kwargs)
 
 
