@@ -19,6 +19,9 @@ blocks of an in-flight store or load are pinned and ``cpu_block_pool.reset_prefi
 ``cache_blocks`` once a remote load is ready (core/sched/scheduler.py:3650) leaves the received blocks
 cached all the same: the request's next ``allocate_slots`` caches every full computed block
 (core/kv_cache_manager.py:642-646), and an abort in between skips that call in the original too.
+Turning the Scheduler's sub-block Mamba split off (``mamba_partial_cache_hit``, core/sched/scheduler.py:462-466)
+leaves the hybrid-match-unit shape served to its last unit all the same: the release's Mamba layers export a
+checkpoint inside the prefill (``num_prefill_checkpoint_blocks``), so no split is needed for the state there.
 """
 
 from __future__ import annotations
@@ -254,6 +257,17 @@ PLANTS = (
         "                in_flight.add(gpu_block_id)\n                gpu_block_pool.touch([gpu_block])\n",
         "                in_flight.add(gpu_block_id)\n",
         ("test_shape_hybrid.py::test_a_state_block_being_stored_stays_pinned_until_its_store_completes[hybrid]",),
+        shape="hybrid",
+    ),
+    Plant(
+        "hybrid-match-unit-cpu-tier-hits-whole-blocks-only",
+        "vllm/v1/simple_kv_offload/manager.py",
+        "            allow_partial_hash_hits=not lazy_offload,\n",
+        "            allow_partial_hash_hits=False,  # PLANTED: the CPU tier looks up whole blocks only\n",
+        (
+            "test_shape_hybrid.py::test_a_prompt_sharing_part_of_a_block_with_a_stored_one_is_served_to_the_last"
+            "_shared_unit[hybrid-match-unit]",
+        ),
         shape="hybrid",
     ),
     Plant(

@@ -39,6 +39,7 @@ class Shape:
     drafts: str | None = None  # speculative decoding on both sides: "ngram"
     async_scheduling: bool = False  # EngineCore's batch-queue order, as GPU users run it by default from 0.34
     restarted_prefill: bool = False  # D's prefill peer replaced by a new engine at the same address
+    prefix_match_unit: int | None = None  # --prefix-match-unit: prefix-cache hits inside a block (hybrid models)
 
     @property
     def hetero_tp(self) -> bool:
@@ -51,6 +52,14 @@ HYBRID = "a hybrid model: Mamba2 layers, full attention and a sliding-window gro
 SHAPES: tuple[Shape, ...] = (
     DENSE,
     Shape("hybrid", "hybrid", HYBRID, model="hybrid"),
+    Shape(
+        "hybrid-match-unit",
+        "hybrid",
+        "a hybrid model: Mamba2 layers and full attention (no sliding window, which turns sub-block hits off), "
+        "HMA on; prefix-cache hits inside a block (--prefix-match-unit 16 with 32-token blocks)",
+        model="hybrid",
+        prefix_match_unit=16,
+    ),
     Shape("hetero-tp-p1d2", "hetero-tp", "prefill TP 1, decode TP 2 (each D rank reads its head of P's)", decode_tp=2),
     Shape("hetero-tp-p2d1", "hetero-tp", "prefill TP 2, decode TP 1 (D reads each P rank's head)", prefill_tp=2),
     Shape(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import os
 import time
@@ -260,6 +261,17 @@ class Engine:
         return self.scheduler.connector
 
     @property
+    def hash_block_size(self) -> int:
+        """The tokens a request's block hash covers, as EngineCore resolves them (``kv_cache_config.
+        hash_block_size``, 0.33+: finer than a block under ``--prefix-match-unit``), else the block size."""
+        return getattr(self.kv_cache_config, "hash_block_size", None) or self.vllm_config.cache_config.block_size
+
+    def request(self, req_id: str, prompt: list[int], **kwargs: Any) -> Any:
+        """A Request as this engine's EngineCore makes it: hashed with its block hasher
+        (``v1/engine/core.py`` 0.34.0 L242-249)."""
+        return va.make_request(req_id, prompt, block_size=self.hash_block_size, **kwargs)
+
+    @property
     def nixl_index(self) -> int:
         return va.child_index("nixl", self.order)
 
@@ -411,13 +423,7 @@ class Engine:
         """vLLM's P/D proxy protocol, prefill side: the request with ``max_tokens=1`` and
         ``do_remote_decode``; returns the kv_transfer_params it finished with (for the decode side)."""
         self.scheduler.add_request(
-            va.make_request(
-                req_id,
-                prompt,
-                max_tokens=1,
-                kv_transfer_params=va.remote_decode_params(),
-                block_size=self.vllm_config.cache_config.block_size,
-            )
+            self.request(req_id, prompt, max_tokens=1, kv_transfer_params=va.remote_decode_params())
         )
         self.run([req_id])
         params = self.finished_output(req_id).kv_transfer_params
@@ -668,13 +674,22 @@ def deployed(make: Any, shape: shapes.Shape, **kwargs: Any) -> Any:
         return make(shape=shape, **kwargs)
 
 
+def offload_metric_names() -> Any:
+    """Explicit probe: the CPU-offload child's metric names (``v1/simple_kv_offload/metrics.py``), or None."""
+    name = "vllm.v1.simple_kv_offload.metrics"
+    if importlib.util.find_spec(name) is None:
+        return None
+    names = getattr(importlib.import_module(name), "MetricName", None)
+    return names if hasattr(names, "LOAD_BLOCKS") and hasattr(names, "SAVE_OUTCOMES") else None
+
+
 def stored_prefix(engine: Engine, prompt: list[int], req_id: str) -> None:
     """A prefix in the CPU tier, as another test's contract gives it: run a request with ``prompt`` to
     its end, let the engine settle (its stores done) and drop the local GPU prefix cache, checking that
     the CPU-offload child stored something.  A release where this fails is that contract's finding (a
     test error here, blocked by it).  (Asking the child for a hit here would pin it, as no engine does.)"""
     with setup_owned_by(STORED):
-        engine.scheduler.add_request(va.make_request(req_id, prompt, max_tokens=2))
+        engine.scheduler.add_request(engine.request(req_id, prompt, max_tokens=2))
         engine.run([req_id])
         engine.settle()
         assert engine.transfers.stores(), "the CPU-offload child stored nothing of the finished request"
@@ -717,7 +732,7 @@ def a_load_held_in_flight(engine, transport, prompt: list[int], req_id: str) -> 
     stored_prefix(engine, prompt, f"{req_id}-src")
     transport.hold()
     launched = transport.launched()
-    req = va.make_request(req_id, prompt, max_tokens=2)
+    req = engine.request(req_id, prompt, max_tokens=2)
     engine.scheduler.add_request(req)
     so = engine.step()
     with setup_owned_by(STORED):
@@ -792,7 +807,7 @@ def cpu_tier_hit(engine: Engine, prompt: list[int], req_id: str) -> int:
     reserved for it."""
     from vllm.v1.request import RequestStatus
 
-    req = va.make_request(req_id, prompt, max_tokens=1)
+    req = engine.request(req_id, prompt, max_tokens=1)
     engine.scheduler.add_request(req)
     toks, _ = engine.offload.get_num_new_matched_tokens(req, 0)
     engine.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
@@ -864,7 +879,7 @@ def pd_read_is_byte_exact(p: Engine, d: Engine, rid: str, prompt: list[int]) -> 
 
     params = p.prefill(rid, prompt)
     assert rid in p.scheduler.requests, "P freed the blocks before the remote read"
-    d.scheduler.add_request(va.make_request(rid, prompt, max_tokens=2, kv_transfer_params=params))
+    d.scheduler.add_request(d.request(rid, prompt, max_tokens=2, kv_transfer_params=params))
     d.step()
     req = d.scheduler.requests[rid]
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, req.status

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import copy
 import importlib
-import importlib.util
 import inspect
 import time
-from typing import Any
 
 import pytest
 
@@ -30,6 +28,7 @@ from conftest import (
     assert_no_leak,
     can_reset_connectors,
     cpu_tier_hit,
+    offload_metric_names,
     stored_prefix,
     token_ids,
     wait_until,
@@ -61,22 +60,13 @@ def test_cpu_tier_load_is_asynchronous_and_unpins_when_it_completes(engine, tran
     assert_no_leak(engine)
 
 
-def _offload_metric_names() -> Any:
-    """Explicit probe: the CPU-offload child's metric names (``v1/simple_kv_offload/metrics.py``), or None."""
-    name = "vllm.v1.simple_kv_offload.metrics"
-    if importlib.util.find_spec(name) is None:
-        return None
-    names = getattr(importlib.import_module(name), "MetricName", None)
-    return names if hasattr(names, "LOAD_BLOCKS") and hasattr(names, "SAVE_OUTCOMES") else None
-
-
 def test_cpu_tier_metrics_count_the_blocks_it_loaded(engine, transport, monkeypatch):
     """What the CPU tier reports to the engine's stats (the counter a user reads in the logs and on
     Prometheus) matches what it did: serving a prompt of three full blocks from the tier counts three
     blocks loaded, counted over every report the Scheduler takes from the child (it drains them each
     step).  (The store counters are for boundary hand-offs of hybrid models only,
     ``BoundaryStoreStats`` in ``v1/simple_kv_offload/manager.py`` 0.34.0 L121, which this pair never makes.)"""
-    names = _offload_metric_names()
+    names = offload_metric_names()
     if names is None:
         not_applicable("this release's CPU-offload child reports no load counter")
     prompt = token_ids(3 * BLOCK + 5, start=2900)

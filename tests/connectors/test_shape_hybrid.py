@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import setup_owned_by
+from kvcompat.testkit import not_applicable, setup_owned_by
+from kvcompat.testkit.adapter import children as ch
 from kvcompat.testkit.adapter.forward import NULL_BLOCK
 
 from conftest import (
@@ -28,6 +29,7 @@ from conftest import (
     cpu_tier_hit,
     deployed,
     held_blocks,
+    offload_metric_names,
     patient_steps,
     read_received,
     step_until,
@@ -110,13 +112,13 @@ def test_hybrid_pd_decode_continues_exactly_as_one_engine(make_pd, make_engine, 
     prompt = token_ids(PROMPT, start=1500)
     with setup_owned_by(PREFILLED):
         params = p.prefill("hybrid-pd", prompt)
-    req = va.make_request("hybrid-pd", prompt, max_tokens=3, kv_transfer_params=params)
+    req = d.request("hybrid-pd", prompt, max_tokens=3, kv_transfer_params=params)
     d.scheduler.add_request(req)
     d.step()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"D did not wait for P's KV: {req.status}"
     assert step_until([d, p], lambda: read_received(d, "hybrid-pd")), "D's read of P's blocks never finished"
     _step_to(d, req, len(prompt))
-    alone = va.make_request("hybrid-one", prompt, max_tokens=3)
+    alone = one.request("hybrid-one", prompt, max_tokens=3)
     one.scheduler.add_request(alone)
     _step_to(one, alone, len(prompt))
     for n in (len(prompt), len(prompt) + 1):
@@ -154,7 +156,7 @@ def _hit_restores(engine, transport, prompt: list[int], rid: str, shape, *, serv
     stored_prefix(engine, prompt, f"{rid}-src")
     _scrub(engine)
     launched = transport.launched()
-    req = va.make_request(rid, prompt, max_tokens=2)
+    req = engine.request(rid, prompt, max_tokens=2)
     engine.scheduler.add_request(req)
     engine.step()
     loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -197,6 +199,97 @@ def test_a_cpu_tier_hit_on_a_block_aligned_prompt_restores_a_state_that_consumed
     _hit_restores(engine, transport, token_ids(5 * BLOCK, start=2700), "tier-boundary", shape, served=checkpoints)
 
 
+@pytest.mark.shapes("hybrid")
+def test_a_prompt_sharing_part_of_a_block_with_a_stored_one_is_served_to_the_last_shared_unit(
+    make_engine, transport, shape
+):
+    """Prefix-cache hits end where the engine hashes: at a block boundary, or under ``--prefix-match-unit``
+    inside a block (``v1/core/kv_cache_utils.py`` 0.34.0 L812-860; Qwen3.5 and Nemotron-H users set it so that
+    a 32- or 64-token Mamba block does not throw away a shared system prompt's tail).  A prompt that shares
+    five and a half blocks (176 tokens) with a stored, longer one is served from the CPU tier exactly to the
+    last shared unit (160 tokens with 32-token hashing, 176 with 16), never past it, and once computed every
+    group holds what computing the prompt leaves (the Mamba state included, restored at a position inside a
+    block); the engine then finishes it and nothing leaks."""
+    engine = _engine(make_engine, shape)
+    shared = 5 * BLOCK + BLOCK // 2
+    stored = token_ids(shared + 9, start=4100)
+    prompt = stored[:shared] + token_ids(2 * BLOCK + 5, start=4900)
+    stored_prefix(engine, stored, "unit-src")
+    _scrub(engine)
+    req = engine.request("unit-hit", prompt, max_tokens=2)
+    engine.scheduler.add_request(req)
+    engine.step()
+    unit = engine.hash_block_size
+    want = shared // unit * unit
+    served = req.num_computed_tokens if req.status.name == "WAITING_FOR_REMOTE_KVS" else 0
+    assert served == want, (
+        f"the CPU tier served {served} tokens of a prompt sharing {shared} with a stored one; with {unit}-token "
+        f"hashing the last shared unit ends at {want} ({shape.id})"
+    )
+    _step_to(engine, req, len(prompt))
+    wrong = _not_holding(engine, engine.scheduler.kv_cache_manager.get_block_ids("unit-hit"), prompt)
+    assert not wrong, (
+        f"after a hit of {served} tokens ({shape.id}) the request does not hold what its prompt leaves: {wrong}"
+    )
+    engine.run(["unit-hit"])
+    assert_no_leak(engine)
+
+
+@pytest.mark.shapes("hybrid")
+def test_the_cpu_tier_counts_each_state_it_saved_and_each_it_already_held(make_engine, transport, shape, monkeypatch):
+    """A user who sees a low CPU-tier hit rate on a hybrid model reads why in the save-outcome counter
+    (``vllm:simple_kv_offload_save_outcomes_total{outcome}``) and in ``get_boundary_store_stats()``: the
+    Mamba states the Scheduler hands the tier are each counted once under what happened to them.  A prompt
+    stored into an empty tier counts as many ``stored`` as the tier then holds Mamba states; the same prompt
+    computed again counts each of them ``skipped_already_cached`` and stores nothing new; ``published`` is the
+    sum of the outcomes; an outcome that did not happen is not reported (``v1/simple_kv_offload/manager.py``
+    0.34.0 L733-790, L1038-1052)."""
+    engine = _engine(make_engine, shape)
+    names = offload_metric_names()
+    if names is None or not hasattr(engine.offload, "get_boundary_store_stats"):
+        not_applicable("this release's CPU-offload child keeps no count of the Mamba states handed to it")
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    manager = engine.offload.scheduler_manager
+    groups = manager.cpu_kv_cache_config.kv_cache_groups
+    mamba = {g for g, grp in enumerate(groups) if _is_state(engine, engine.kv_cache_config.kv_cache_groups[g])}
+    assert mamba, "the hybrid engine has no Mamba state group"
+
+    def states() -> int:
+        return sum(
+            1 for b in manager.cpu_block_pool.blocks if b.block_hash is not None and get_group_id(b.block_hash) in mamba
+        )
+
+    reports = ch.spy(monkeypatch, engine.offload, "get_kv_connector_stats").returned
+
+    def outcomes() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in reports:
+            for labels, n in (r.data.get("data", {}).get(names.SAVE_OUTCOMES, {}) if r else {}).items():
+                assert n > 0, f"a report counts {n} for outcome {labels[0]!r}, an outcome that did not happen"
+                out[labels[0]] = out.get(labels[0], 0) + n
+        return out
+
+    prompt = token_ids(PROMPT, start=5100)
+    stored_prefix(engine, prompt, "outcomes-src")
+    held = states()
+    assert held > 0, "the CPU tier holds no Mamba state of the stored hybrid prompt"
+    assert outcomes() == {"stored": held}, f"the tier holds {held} Mamba states and its metric counts {outcomes()}"
+    engine.scheduler.add_request(engine.request("outcomes-again", prompt, max_tokens=2))
+    engine.run(["outcomes-again"])
+    engine.settle()
+    assert states() == held, f"computing the stored prompt again left {states()} Mamba states in the tier, not {held}"
+    counted = outcomes()
+    assert counted == {"stored": held, "skipped_already_cached": held}, (
+        f"the prompt's {held} states were stored once and already held the second time; the metric counts {counted}"
+    )
+    stats = engine.offload.get_boundary_store_stats()
+    fields = {f: getattr(stats, f) for f in ("stored", "skipped_already_cached")}
+    assert fields == counted, f"get_boundary_store_stats() says {stats}; the metric counted {counted}"
+    assert stats.published == sum(counted.values()), f"published {stats.published} is not the sum of the outcomes"
+    assert_no_leak(engine)
+
+
 # ---------------------------------------------------------------------------
 # 3. a state block being stored stays pinned
 # ---------------------------------------------------------------------------
@@ -211,7 +304,7 @@ def test_a_state_block_being_stored_stays_pinned_until_its_store_completes(make_
     assert mamba, "the hybrid engine has no Mamba state group"
     prompt = token_ids(PROMPT, start=3300)
     transport.hold()
-    req = va.make_request("stored-state", prompt, max_tokens=2)
+    req = engine.request("stored-state", prompt, max_tokens=2)
     engine.scheduler.add_request(req)
     _step_to(engine, req, len(prompt))
     ids = engine.scheduler.kv_cache_manager.get_block_ids("stored-state")
@@ -232,7 +325,7 @@ def test_a_state_block_being_stored_stays_pinned_until_its_store_completes(make_
         assert pool.blocks[b].ref_cnt > 0, f"state block {b} ({layer}) is free while the CPU tier copies it"
     others = [f"pressure-{i}" for i in range(3)]
     for i, rid in enumerate(others):
-        engine.scheduler.add_request(va.make_request(rid, token_ids(11 * BLOCK + 3, start=3700 + 97 * i), max_tokens=2))
+        engine.scheduler.add_request(engine.request(rid, token_ids(11 * BLOCK + 3, start=3700 + 97 * i), max_tokens=2))
     given: set[int] = set()
     for _ in range(40):
         engine.step()
@@ -291,7 +384,7 @@ def test_a_failed_hybrid_read_fails_the_request_or_recomputes_it_never_decodes_u
     with setup_owned_by(PREFILLED):
         params = p.prefill("hybrid-failed", prompt)
     nixl_agent.failing_transfers = 1
-    req = va.make_request("hybrid-failed", prompt, max_tokens=2, kv_transfer_params=params)
+    req = d.request("hybrid-failed", prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
     assert step_until([d, p], lambda: nixl_agent.failed == 1 or req.is_finished()), "the fake NIXL failed no read"
     assert nixl_agent.failed == 1, "the fake NIXL failed no read: no scenario"

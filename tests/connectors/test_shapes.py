@@ -81,15 +81,7 @@ def test_pd_read_fills_each_rank_with_its_heads_and_nothing_else(make_pd, shape)
     with setup_owned_by(PREFILLED):
         params = p.prefill("shape-pd", prompt)
     before = _snapshot(d)
-    d.scheduler.add_request(
-        va.make_request(
-            "shape-pd",
-            prompt,
-            max_tokens=2,
-            kv_transfer_params=params,
-            block_size=d.vllm_config.cache_config.block_size,
-        )
-    )
+    d.scheduler.add_request(d.request("shape-pd", prompt, max_tokens=2, kv_transfer_params=params))
     d.step()
     req = d.scheduler.requests["shape-pd"]
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"D did not wait for P's KV: {req.status}"

@@ -90,6 +90,10 @@ def missing(shape: Shape) -> str | None:
     lacking = [cls.__name__ for cls in (nixl, offload) if not _caps.supports_hma(cls)]
     if lacking:
         return f"{', '.join(lacking)} does not implement SupportsHMA: the pair cannot serve a hybrid model"
+    if shape.prefix_match_unit is not None:
+        cache_config = importlib.import_module("vllm.config").CacheConfig
+        if "prefix_match_unit" not in _caps._params(cache_config):
+            return "CacheConfig has no prefix_match_unit: prefix-cache hits land on block boundaries only"
     return None
 
 
@@ -103,11 +107,14 @@ def write_model(shape: Shape, directory: Path) -> Path:
 
 
 def config_kwargs(shape: Shape, side: str) -> dict[str, Any]:
-    """HMA on, prefix caching with Mamba's align mode (where the release has the setting)."""
+    """HMA on, prefix caching with Mamba's align mode (where the release has the setting), and the user's
+    ``--prefix-match-unit`` where the shape sets one."""
     cache: dict[str, Any] = {}
     cache_config = importlib.import_module("vllm.config").CacheConfig
     if "mamba_cache_mode" in _caps._params(cache_config):
         cache["mamba_cache_mode"] = "align"
+    if shape.prefix_match_unit is not None:
+        cache["prefix_match_unit"] = shape.prefix_match_unit
     return {"scheduler_extra": {"disable_hybrid_kv_cache_manager": False}, "cache_extra": cache}
 
 
@@ -118,7 +125,7 @@ def configure(vllm_config: Any, shape: Shape, side: str) -> None:
     if hasattr(vllm_config.scheduler_config, "max_model_len"):
         vllm_config.scheduler_config.max_model_len = MAX_MODEL_LEN
     _ds_conv_layout()
-    _build_model(vllm_config)
+    _build_model(vllm_config, windowed=shape.prefix_match_unit is None)
     from vllm.platforms import current_platform
 
     if hasattr(current_platform, "update_block_size_for_backend"):  # before: VllmConfig's own post-init
@@ -152,8 +159,13 @@ def _layers(vllm_config: Any) -> dict[str, Any]:
     return get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
 
 
-def _build_model(vllm_config: Any) -> None:
-    """The model as a worker builds it (on the meta device: no weights), and the windowed attention layer."""
+def _build_model(vllm_config: Any, *, windowed: bool = True) -> None:
+    """The model as a worker builds it (on the meta device: no weights), and the windowed attention layer.
+
+    Not where the shape asks for hits inside a block (``--prefix-match-unit``): a sliding-window group looks
+    prefixes up only at its block boundaries, and the release then turns sub-block hits off for the whole model
+    (``v1/core/kv_cache_utils.py`` 0.34.0 L780-797, "Disabling fine-grained prefix-cache hits"), so that shape
+    is the model as Granite-4 and Nemotron-H ship it: Mamba2 and full attention only."""
     import torch
     from vllm.model_executor.models import ModelRegistry
 
@@ -161,6 +173,8 @@ def _build_model(vllm_config: Any) -> None:
     model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
     with _current(vllm_config), torch.device("meta"):
         model = model_cls(vllm_config=vllm_config, prefix="")
+        if not windowed:
+            return
         full = _layers(vllm_config)[WINDOWED_LAYER]
         del vllm_config.compilation_config.static_forward_context[WINDOWED_LAYER]
         windowed = type(full)(
