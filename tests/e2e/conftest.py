@@ -17,7 +17,17 @@ from __future__ import annotations
 import os
 
 import pytest
-from workload import CONTROL, MAX_TOKENS, PROMPTS, REMOTE_DECODE, engine_specs, key
+from workload import (
+    CONTROL,
+    MAX_TOKENS,
+    PROMPTS,
+    REMOTE_DECODE,
+    SERVED_FIRST,
+    SERVED_TESTS,
+    engine_specs,
+    key,
+    served_config,
+)
 
 from kvcompat.testkit import record_fact
 from kvcompat.testkit.e2e import engines, model
@@ -89,6 +99,8 @@ ENGINES_OF = {
     "test_a_decode_aborted_while_waiting_for_remote_kv_leaks_nothing": ("reference", "prefill", "decode"),
     "test_a_prefill_aborted_mid_prefill_leaks_nothing": ("reference", "prefill", "decode"),
     "test_metrics_move_as_the_workload_says": ("reference", "prefill", "decode"),
+    # tests/e2e/test_served.py drives servers of its own (the ``served`` fixture), none of these engines
+    **{name: () for name in SERVED_TESTS},
 }
 
 
@@ -145,3 +157,23 @@ def reference_of(fleet):
         return [known[key(p)] for p in prompts]
 
     return tokens
+
+
+@pytest.fixture(scope="session")
+def served(model_dir):
+    """The served deployment (tests/e2e/test_served.py), started once at its first test and stopped at the
+    end of the session, killed where it does not stop: a reference ``vllm serve`` of the tiny model, a
+    prefill and a decode server with MultiConnector(Nixl + CPU offload), vLLM's proxy in front.  Its first
+    requests (concurrent, streamed: the NIXL handshake under load) are sent as soon as it is up, before
+    any test, and kept for the contract on them."""
+    from kvcompat.testkit.e2e import served as serving
+
+    deployment = serving.Served()
+    try:
+        deployment.start(model_dir, **served_config())
+        record_fact("e2e served start", deployment.start_facts())
+        deployment.first = serving.stream_many(deployment.proxy.url, SERVED_FIRST, max_tokens=MAX_TOKENS)
+        yield deployment
+    finally:
+        deployment.stop()
+        deployment.cleanup()

