@@ -294,6 +294,26 @@ def test_a_forked_crash_is_scored_again_the_usual_way_and_a_failed_test_before_i
         forked.verdict(0)
 
 
+def test_a_forked_child_that_stalled_before_its_first_test_is_scored_again_the_usual_way():
+    """Out of time having used no CPU (a fork that deadlocked on a lock another thread held, or a child starved
+    by other work): no verdict here; out of time after burning CPU (spinning, or asleep after its fixtures ran),
+    it is killed by the timeout."""
+    import types as _types
+
+    from kvcompat.mutation.forked import Forked
+    from kvcompat.mutation.record import KILLED
+
+    mutant = _types.SimpleNamespace(id="m", contract="C.f", description="d", equivalent=False, same_as=None)
+    planned = [_types.SimpleNamespace(mutant=mutant, mutated="src", target="vllm/x.py", line=3)]
+    g = _types.SimpleNamespace(run=_types.SimpleNamespace(baseline={}), planned=planned)
+    forked = Forked(ctx=None, g=g, passed=["t1"], site=Path("."), timeout=60.0)
+    forked.batched.add(0)
+    forked.answers["m"] = {"id": "m", "seconds": 40.0, "tests": [], "timeout": True, "cpu_s": 0.0, "why": ""}
+    assert forked.verdict(0) is None
+    forked.answers["m"] = {"id": "m", "seconds": 40.0, "tests": [], "timeout": True, "cpu_s": 39.5, "why": ""}
+    assert (forked.verdict(0).status, forked.verdict(0).killed_by) == (KILLED, "timeout")
+
+
 def _one_test_project(tmp_path: Path) -> None:
     """A module ``lib`` with ``inc`` and one test of it, ``test_lib.py::test_inc``."""
     (tmp_path / "lib.py").write_text("def inc(x):\n    return x + 1\n")

@@ -33,6 +33,11 @@ class Forked:
     # listener.  Measured on 0.33.0: the 51 tests that reach nixl/pull_scheduler.py L248 take 7.4 s in the
     # baseline and 50 s of wall (5 s of CPU) in a pristine child.  Each test's limit gets this much more.
     INLINE_SHUTDOWN_S = 2.0
+    # A child out of time that used less CPU than this never got going: forked from a
+    # parent whose other threads held a lock, or starved by other work on the machine (seen on 2 cores beside an
+    # e2e run: 0 s of CPU in a 40 s limit, and the same mutants survive a fresh pytest).  Not the mutant's
+    # verdict: it is scored the usual way, as a crash is.  A mutant that really hangs still times out there.
+    STALLED_CPU_S = 1.0
 
     def __init__(
         self, ctx: CellContext, g: Group, passed: list[str], site: Path, timeout: float, jobs: int = 1
@@ -126,6 +131,8 @@ class Forked:
         fields = {**base(p), "seconds": answer["seconds"]}
         tests = answer.get("tests", [])
         fields["tests_run"] = len(tests)
+        if answer.get("timeout") and answer.get("cpu_s", 0.0) < self.STALLED_CPU_S:
+            return None  # a child that stalled before it ran: no verdict here, the usual way decides
         if answer.get("timeout"):
             return MutantVerdict(
                 **fields,
