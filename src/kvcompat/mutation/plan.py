@@ -8,6 +8,7 @@ and MultiConnector's generator; the others get kvcompat.mutation.operators' mech
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvcompat.mutation.record import (
     kept_verdicts,
     read_run,
     results_path,
+    set_aside,
 )
 from kvcompat.run.context import CellContext
 
@@ -160,7 +162,7 @@ def _span_of(mutant, source: str) -> tuple[int, int] | None:
     return found[1] if found else None
 
 
-def keep_previous(g: Group, cell: Cell, mo: MutationOptions) -> None:
+def keep_previous(g: Group, cell: Cell, mo: MutationOptions, say: Callable[[str], None] = print) -> None:
     """--mutant ID reruns those mutants only: the previous full run's other verdicts are kept, so a rerun of
     a few (a new test, a new equivalence reason) never loses the rest of the score.  --upstream-only keeps
     ours' verdicts of every mutant.  A full run resumes after the verdicts of an interrupted one."""
@@ -173,6 +175,12 @@ def keep_previous(g: Group, cell: Cell, mo: MutationOptions) -> None:
         g.planned = [p for p in g.planned if p.mutant.id not in done]
         run.planned = len(g.planned)
     else:
+        aside = set_aside(g.out, run, mo.only)
+        if aside is not None:
+            say(
+                f"{g.name}: the previous record scored other tests (pytest arguments {run.pytest_args} now), so "
+                f"its verdicts cannot be kept; it is kept as {aside.name}"
+            )
         previous = kept_verdicts(g.out, run, mo.only or ("*",))
     g.kept = [g.explain(v) for v in previous]
     g.ours_before = {v.id: v for v in g.kept} if mo.upstream_only else {}

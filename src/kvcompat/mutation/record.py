@@ -159,6 +159,19 @@ def kept_verdicts(out: Path, run: MutationRun, only: tuple[str, ...]) -> list[Mu
     return _verdicts_of(prev)
 
 
+def set_aside(out: Path, run: MutationRun, only: tuple[str, ...]) -> Path | None:
+    """A rerun of a few mutants that cannot keep the previous record's verdicts (another target or other pytest
+    arguments: a known bug's contract deselected since, say) would write over a scored record with only its
+    own few.  The previous record is moved to ``<out>.previous`` first (one generation, out of the report's
+    ``mutants-*.json``), and its path returned; None when there was nothing to keep aside."""
+    prev = read_run(out) if only else None
+    if not prev or not prev.get("scored") or kept_verdicts(out, run, only):
+        return None
+    aside = out.with_name(out.name + ".previous")
+    out.replace(aside)
+    return aside
+
+
 def _verdicts_of(prev: dict) -> list[MutantVerdict]:
     fields = {f.name for f in dataclasses.fields(MutantVerdict)}
     return [MutantVerdict(**{k: v for k, v in m.items() if k in fields}) for m in prev.get("mutants", [])]

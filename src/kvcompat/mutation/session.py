@@ -113,7 +113,7 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> li
         suite = ours_fingerprint(ctx, ours_run(ctx))
         for g in groups:
             g.run.suite = suite
-            plan.keep_previous(g, cell, mo)
+            plan.keep_previous(g, cell, mo, ctx.say)
             if g.kept and not mo.only and not mo.upstream_only:
                 ctx.say(
                     f"{g.name}: resuming an interrupted run: {len(g.kept)} verdicts kept, {len(g.planned)} to score"
