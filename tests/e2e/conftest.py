@@ -99,8 +99,8 @@ ENGINES_OF = {
     "test_a_decode_aborted_while_waiting_for_remote_kv_leaks_nothing": ("reference", "prefill", "decode"),
     "test_a_prefill_aborted_mid_prefill_leaks_nothing": ("reference", "prefill", "decode"),
     "test_metrics_move_as_the_workload_says": ("reference", "prefill", "decode"),
-    # tests/e2e/test_served.py drives servers of its own (the ``served`` fixture), none of these engines
-    **{name: () for name in SERVED_TESTS},
+    # tests/e2e/test_served.py drives servers of its own (the ``served`` fixture); its reference is the plain engine
+    **{name: ("reference",) for name in SERVED_TESTS},
 }
 
 
@@ -160,15 +160,16 @@ def reference_of(fleet):
 
 
 @pytest.fixture(scope="session")
-def served(model_dir):
+def served(model_dir, fleet):
     """The served deployment (tests/e2e/test_served.py), started once at its first test and stopped at the
-    end of the session, killed where it does not stop: a reference ``vllm serve`` of the tiny model, a
-    prefill and a decode server with MultiConnector(Nixl + CPU offload), vLLM's proxy in front.  Its first
+    end of the session, killed where it does not stop: a prefill and a decode ``vllm serve`` with
+    MultiConnector(Nixl + CPU offload), vLLM's proxy in front (the reference tokens are the fleet's plain
+    engine's: the same release and model, so no third server to start).  Its first
     requests (concurrent, streamed: the NIXL handshake under load) are sent as soon as it is up, before
     any test, and kept for the contract on them."""
     from kvcompat.testkit.e2e import served as serving
 
-    deployment = serving.Served()
+    deployment = serving.Served()  # after the fleet: the plain engine's start overlaps the servers'
     try:
         deployment.start(model_dir, **served_config())
         record_fact("e2e served start", deployment.start_facts())

@@ -1,12 +1,13 @@
 """End to end as it is served: ``vllm serve`` prefill and decode behind vLLM's own proxy, driven by the
 ``openai`` client.
 
-The deployment (tests/e2e/conftest.py ``served``, kvcompat.testkit.e2e.served) is started once: a plain
-reference server of the tiny model, a prefill and a decode server each with MultiConnector(Nixl + the
-CPU-offload child, its CUDA transport replaced as in the rest of the suite), and vLLM's
-``toy_proxy_server.py`` from the release's sdist, unchanged, in front.  Each server runs as deployed: the
-API server, its engine core and its worker in processes of their own.  Every contract compares tokens
-with the reference server's and reads the servers' own ``/health`` and ``/metrics``.
+The deployment (tests/e2e/conftest.py ``served``, kvcompat.testkit.e2e.served) is started once: a prefill
+and a decode server each with MultiConnector(Nixl + the CPU-offload child, its CUDA transport replaced as
+in the rest of the suite), and vLLM's ``toy_proxy_server.py`` from the release's sdist, unchanged, in
+front; beside them ``vllm serve`` of the plain model, as users start a server (stopped once it answers).
+Each server runs as deployed: the API server, its engine core and its worker in processes of their own.
+Every contract compares tokens with the suite's plain engine's (the same release and model: the
+reference) and reads the servers' own ``/health`` and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from workload import (
     SERVED_ROLES,
     SERVED_SHARED,
     SERVED_TRANSFER,
-    key,
     n_tokens,
     pd_fillers,
 )
@@ -35,6 +35,7 @@ from kvcompat.testkit.e2e.model import kv_bytes_per_block
 from kvcompat.testkit.e2e.served import completion, http_get, metric, stream_many
 
 TOKENS = "test_served_completions_through_the_proxy_equal_the_reference"
+REFERENCE = "test_a_plain_engine_generates_the_reference"
 IDLE_WAIT_S = 60.0
 # The release's metrics the contracts read (a counter by its family's name with "_total").
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"  # prompt tokens by where they came from
@@ -52,13 +53,10 @@ def _tokens(response) -> list[int]:
     return list(response.choices[0].token_ids or [])
 
 
-def _reference(served, prompts: list) -> list[list[int]]:
-    """The reference server's greedy tokens for each prompt (asked once per prompt)."""
-    known = served.__dict__.setdefault("reference_tokens", {})
-    for p in prompts:
-        if key(p) not in known:
-            known[key(p)] = _tokens(completion(served.reference.url, p["prompt_token_ids"], max_tokens=MAX_TOKENS))
-    return [known[key(p)] for p in prompts]
+def _reference(request, prompts: list) -> list[list[int]]:
+    """The plain engine's greedy tokens for each prompt (the suite's reference, its own contract)."""
+    with setup_owned_by(REFERENCE):
+        return request.getfixturevalue("reference_of")(prompts)
 
 
 def _through_proxy(served, prompt, max_tokens: int = MAX_TOKENS):
@@ -70,12 +68,12 @@ def _moved(before: dict, after: dict, name: str, **labels: str) -> float | None:
     return None if b is None else b - (a or 0.0)
 
 
-def test_served_first_requests_after_start_are_complete_or_a_clear_error(served):
+def test_served_first_requests_after_start_are_complete_or_a_clear_error(served, request):
     """The first requests after the deployment answered /health, eight at once through the proxy, streamed
     (the decode's first NIXL handshake happens under load): each gets a complete answer (a finish reason,
     every token, the reference's) or an error status before any body; never a body cut off mid-stream."""
     first = served.first
-    reference = _reference(served, SERVED_FIRST)
+    reference = _reference(request, SERVED_FIRST)
     summary = [
         {k: r.get(k) for k in ("finish_reason", "status", "error", "seconds", "chunks")} | {"n": len(r["tokens"])}
         for r in first
@@ -95,9 +93,9 @@ def test_served_first_requests_after_start_are_complete_or_a_clear_error(served)
 
 
 def test_served_vllm_serve_starts_as_users_start_it(served):
-    """``vllm serve MODEL ...``, the command users run, starts a server that answers /health.  The
-    reference server is started that way; where the CLI exits while starting, this is red with the
-    release's frame (the suite then serves through ``python -m vllm.entrypoints.openai.api_server``)."""
+    """``vllm serve MODEL ...``, the command users run, starts a server that answers /health (started beside
+    the deployment, stopped once it answers); where the CLI exits while starting, this is red with the
+    release's frame (the suite's servers start through ``python -m vllm.entrypoints.openai.api_server``)."""
     failure = served.cli_failure
     if failure is not None:
         record_fact("e2e served vllm serve", f"exited {failure['status']}: {failure['error']} at {failure['where']}")
@@ -106,25 +104,25 @@ def test_served_vllm_serve_starts_as_users_start_it(served):
     )
 
 
-def test_served_completions_through_the_proxy_equal_the_reference(served):
+def test_served_completions_through_the_proxy_equal_the_reference(served, request):
     """Completions through vLLM's proxy (prefill, then the decode with the prefill's kv_transfer_params)
     equal the reference server's, token for token: prompts under a block, of exact blocks, one token over,
     near the maximum length, and four sharing a two-block prefix."""
     prompts = {**EDGES, **{f"shared prefix {i}": p for i, p in enumerate(SERVED_SHARED)}}
-    reference = _reference(served, list(prompts.values()))
+    reference = _reference(request, list(prompts.values()))
     for (name, prompt), ref in zip(prompts.items(), reference, strict=True):
         got = _through_proxy(served, prompt)
         assert got.usage.prompt_tokens == n_tokens(prompt), (name, got.usage)
         assert _tokens(got) == ref, f"{name} ({n_tokens(prompt)} tokens): through the proxy != reference"
 
 
-def test_served_decode_uses_the_kv_transferred_over_nixl(served):
+def test_served_decode_uses_the_kv_transferred_over_nixl(served, request):
     """A fresh prompt through the proxy: the decode's own /metrics say its prompt came from a KV transfer
     (prompt tokens by source external_kv_transfer, at least its full blocks) and NIXL moved at least its
     full blocks' KV, and its tokens are the reference.  (A proxy that drops kv_transfer_params turns this
     red: tests/harness/test_e2e_served_control.py.)"""
     prompt = SERVED_TRANSFER
-    (ref,) = _reference(served, [prompt])
+    (ref,) = _reference(request, [prompt])
     before = served.decode.metrics()
     got = _through_proxy(served, prompt)
     after = served.decode.metrics()
@@ -146,7 +144,7 @@ def test_served_decode_uses_the_kv_transferred_over_nixl(served):
         assert seen["NIXL bytes"] >= full * kv_bytes_per_block(BLOCK_SIZE), seen
 
 
-def test_served_prefill_and_decode_take_the_producer_and_consumer_roles(served):
+def test_served_prefill_and_decode_take_the_producer_and_consumer_roles(served, request):
     """The prefill serves as ``kv_producer`` and the decode as ``kv_consumer`` (the roles vLLM asks P/D
     deployments for; NixlConnector warns that ``kv_both`` is deprecated): neither server refused its role
     nor warned about it, and a request through them gives the reference.  (``kv_both`` on both sides is
@@ -156,21 +154,21 @@ def test_served_prefill_and_decode_take_the_producer_and_consumer_roles(served):
         for n in ("prefill", "decode")
     }
     assert '"kv_role": "kv_producer"' in roles["prefill"] and '"kv_role": "kv_consumer"' in roles["decode"], roles
-    (ref,) = _reference(served, [SERVED_ROLES])
+    (ref,) = _reference(request, [SERVED_ROLES])
     assert _tokens(_through_proxy(served, SERVED_ROLES)) == ref, "through producer and consumer: tokens != reference"
     warned = [line for n in ("prefill", "decode") for line in served.processes[n].grep("kv_role")]
     record_fact("e2e served kv_role lines", str(warned[:4]) if warned else "none")
     assert not [w for w in warned if "deprecat" in w.lower()], f"a role was warned about: {warned}"
 
 
-def test_served_cpu_tier_serves_repeated_prompts_on_both_nodes(served):
+def test_served_cpu_tier_serves_repeated_prompts_on_both_nodes(served, request):
     """Each node's CPU tier: a prompt served through the proxy, then fillers that evict both device caches,
     then the prompt again on the decode alone (no prefill) and through the proxy.  The decode kept the KV it
     received over NIXL in its CPU tier and serves the repeat from there; the prefill serves the repeat from
     its CPU tier before sending it over NIXL; every answer is the reference.  The transport stand-in counts
     the copies; the release's /metrics (host hits, CPU-offload loaded blocks) must move where exported."""
     prompt = SERVED_CPU_TIER
-    (ref,) = _reference(served, [prompt])
+    (ref,) = _reference(request, [prompt])
     t0 = {n: served.transport(n) for n in ("prefill", "decode")}
     assert _tokens(_through_proxy(served, prompt)) == ref, "first pass through the proxy: tokens != reference"
     for filler in pd_fillers(1000):
@@ -212,13 +210,13 @@ def _idle(served, name: str) -> dict[str, float | None]:
     return {k: metric(m, k) for k in _IDLE_KEYS}
 
 
-def test_served_load_with_client_aborts_leaves_both_servers_idle(served):
+def test_served_load_with_client_aborts_leaves_both_servers_idle(served, request):
     """Ten streamed requests at once through the proxy, two closed by their client mid-stream: the others
     give the reference (the closed ones ask for 200 tokens, so they are still generating when closed); then
     both servers answer /health, their /metrics come back to what they read at
     start (0 running, 0 waiting, KV cache usage and CPU-offload pending stores as at start) within
     60 s, and a new request still gets the reference."""
-    reference = _reference(served, SERVED_LOAD)
+    reference = _reference(request, SERVED_LOAD)
     before = {n: served.processes[n].metrics() for n in ("prefill", "decode")}
     got = stream_many(
         served.proxy.url,
@@ -262,14 +260,14 @@ def test_served_load_with_client_aborts_leaves_both_servers_idle(served):
         assert status == 200, f"{n}: /health answered {status} after the load: {body[:200]}"
         assert now[n][RUNNING] == 0 and now[n][WAITING] == 0, f"{n}: still busy {IDLE_WAIT_S:.0f}s after: {now[n]}"
         assert now[n] == want[n], f"{n}: not back to its idle state at start: {now[n]} (at start {want[n]})"
-    (ref,) = _reference(served, [SERVED_AFTER_LOAD])
+    (ref,) = _reference(request, [SERVED_AFTER_LOAD])
     assert _tokens(_through_proxy(served, SERVED_AFTER_LOAD)) == ref, "after the load: tokens != reference"
 
 
 def test_served_nothing_outlives_the_deployment(served):
     """Stopped, the deployment leaves nothing behind: the prefill killed at once (SIGKILL, as a cell timeout
     kills), the others stopped gracefully; afterwards no process of any server's tree (API server, engine
-    core, worker with its NIXL agent), of the proxy or of the failed CLI start is alive, and none of their
+    core, worker with its NIXL agent), of the proxy or of the ``vllm serve`` start is alive, and none of their
     ports (HTTP, NIXL side channel) is bound.  The last served test: it stops the deployment."""
     served.prefill.stop(kill_first=True)
     served.stop()

@@ -310,7 +310,7 @@ def cli_entry() -> list[str]:
 
 
 class Served:
-    """The session's served deployment: a reference server, a prefill and a decode server, the proxy."""
+    """The session's served deployment: a prefill and a decode server, the proxy (and the ``vllm serve`` probe)."""
 
     def __init__(self) -> None:
         self.processes: dict[str, Process] = {}
@@ -370,36 +370,31 @@ class Served:
     ) -> None:
         """Start the deployment, all of it at once (the starts overlap), and wait until each answers.
 
-        The reference starts through ``vllm serve`` as users start it; where the CLI exits while starting
-        (:attr:`cli_failure`, with the release's frame), it starts through the module entry point."""
+        Beside it, ``vllm serve`` of the plain model, as users start a server: where the CLI exits while
+        starting, :attr:`cli_failure` says how, with the release's frame; where it answers /health it is
+        stopped (the reference tokens are the suite's plain engine's)."""
         self.cli_failure: dict | None = None
-        ref = self.start_server("reference", model_dir, entry=cli_entry())
+        cli = self.start_server("cli", model_dir, entry=cli_entry())
         pre = self.start_server("prefill", model_dir, kv_transfer_config=prefill_kv, num_gpu_blocks=num_gpu_blocks)
         dec = self.start_server("decode", model_dir, kv_transfer_config=decode_kv, num_gpu_blocks=num_gpu_blocks)
         self.start_proxy(proxy_source(release(), self.tmp / "proxy"), pre, dec)
         try:
-            ref.wait_ready(timeout)
+            cli.wait_ready(timeout)
         except ServeError as exc:
-            if ref.proc.poll() is None:  # a timeout, not the CLI refusing to start
+            if cli.proc.poll() is None:  # a timeout, not the CLI refusing to start
                 raise
             self.cli_failure = {
-                "status": ref.proc.returncode,
-                "error": last_exception(list(ref.log)),
-                "where": vllm_frame(list(ref.log)),
+                "status": cli.proc.returncode,
+                "error": last_exception(list(cli.log)),
+                "where": vllm_frame(list(cli.log)),
                 "message": str(exc)[-3000:],
             }
-            ref.name = "reference-cli"
-            self.processes["reference-cli"] = self.processes.pop("reference")
-            self.start_server("reference", model_dir)
+        cli.stop()
         for name, p in self.processes.items():
-            if name != "reference-cli":
+            if name != "cli":
                 p.wait_ready(timeout)
         # Each server's /metrics before any request: the idle state the load contract comes back to.
         self.idle = {n: self.processes[n].metrics() for n in ("prefill", "decode")}
-
-    @property
-    def reference(self) -> Process:
-        return self.processes["reference"]
 
     @property
     def prefill(self) -> Process:
@@ -415,8 +410,8 @@ class Served:
 
     def start_facts(self) -> str:
         ready = {n: round(p.ready_s or 0) for n, p in self.processes.items() if p.ready_s is not None}
-        how = "module entry point (vllm serve exited)" if self.cli_failure else "vllm serve"
-        return f"seconds to /health {ready}; reference through {how}; proxy {PROXY_MEMBER} of vllm {release()}"
+        cli = f"exited ({self.cli_failure['where']})" if self.cli_failure else "answered /health, stopped"
+        return f"seconds to /health {ready}; vllm serve {cli}; proxy {PROXY_MEMBER} of vllm {release()}"
 
     def transport(self, name: str) -> dict[str, int]:
         from kvcompat.testkit import cuda_transport
