@@ -262,9 +262,10 @@ class Engine:
 
     @property
     def hash_block_size(self) -> int:
-        """The tokens a request's block hash covers, as EngineCore resolves them (``kv_cache_config.
-        hash_block_size``, 0.33+: finer than a block under ``--prefix-match-unit``), else the block size."""
-        return getattr(self.kv_cache_config, "hash_block_size", None) or self.vllm_config.cache_config.block_size
+        """The tokens a request's block hash covers: what EngineCore resolves once and gives both the Scheduler
+        and the request block hasher (``v1/engine/core.py`` 0.34.0 L190-201, L242-249: finer than a block under
+        ``--prefix-match-unit``), else the block size."""
+        return getattr(self.scheduler, "hash_block_size", None) or self.vllm_config.cache_config.block_size
 
     def request(self, req_id: str, prompt: list[int], **kwargs: Any) -> Any:
         """A Request as this engine's EngineCore makes it: hashed with its block hasher

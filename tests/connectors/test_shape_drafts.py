@@ -22,7 +22,7 @@ import pytest
 
 from kvcompat import shapes
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import setup_owned_by
+from kvcompat.testkit import not_applicable, setup_owned_by
 from kvcompat.testkit.deploy import drafts
 
 from conftest import (
@@ -126,6 +126,43 @@ def test_a_request_resumed_after_an_async_load_gets_the_slots_of_its_first_specu
         f"the scenario drafted too little: {verified} steps verified drafts, {rejected} rejected"
     )
     assert_no_leak(*(e for e in (p, d) if e is not None))
+
+
+@pytest.mark.parametrize("source", ["nixl", "cpu-tier"])
+@pytest.mark.shapes("drafts")
+def test_the_first_step_after_an_async_load_is_a_whole_speculative_step(make_pd, make_engine, shape, source):
+    """Once its KV has arrived, a resumed request's first decode step is the speculative step every decode
+    runs: ``1 + k`` tokens, the ``k`` drafts it has none of yet as placeholders (``-1``), so that the batch stays
+    uniform and the runner keeps its full CUDA graph (v1/core/sched/scheduler.py 0.34.0 L1358-1380, L1642-1646;
+    the slots the admission above reserves are the ones this step uses).  A release whose Scheduler has no such
+    padding schedules the step unpadded by design: not applicable, by a probe of its source."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if "pad_spec_decode" not in inspect.getsource(Scheduler.schedule):
+        not_applicable("this release's Scheduler does not pad a resumed request's first decode step")
+    rid = f"drafts-padded-{source}"
+    if source == "nixl":
+        _, d = _resume_from_nixl(make_pd, shape, rid, token_ids(3 * BLOCK + 9, start=640))
+    else:
+        # the tier serves whole blocks: one token past them leaves the request one token to compute
+        _, d = _resume_from_cpu_tier(make_engine, shape, rid, token_ids(3 * BLOCK + 1, start=680))
+    k = d.vllm_config.speculative_config.num_speculative_tokens
+    first = None
+    for _ in range(40):
+        so = d.step()
+        if rid in so.num_scheduled_tokens:
+            first = so
+            break
+    assert first is not None, "the resumed request was never scheduled after its KV arrived"
+    scheduled = first.num_scheduled_tokens[rid]
+    drafts_sent = list(first.scheduled_spec_decode_tokens.get(rid, []))
+    assert (scheduled, drafts_sent) == (1 + k, [-1] * k), (
+        f"the first step after the load scheduled {scheduled} tokens with drafts {drafts_sent}; a speculative "
+        f"step is {1 + k} tokens with {k} placeholder drafts"
+    )
+    d.run([rid], max_steps=80)
 
 
 @pytest.mark.shapes("drafts")

@@ -105,11 +105,37 @@ def test_hybrid_pd_decode_continues_exactly_as_one_engine(make_pd, make_engine, 
     in every group, exactly what a single engine that computed the whole prompt holds (the state after the
     prompt, every full-attention block, every block of the window), and after a decode step still exactly what
     that engine holds after the same step; P frees its blocks once D has read them; nothing leaks."""
+    _pd_as_one_engine(make_pd, make_engine, shape, token_ids(PROMPT, start=1500))
+
+
+@pytest.mark.shapes("hybrid")
+def test_a_one_token_prompt_served_pd_continues_exactly_as_one_engine(make_pd, make_engine, shape):
+    """The shortest prompt a user sends (a lone BOS or a one-token probe) through P/D on a hybrid model: the
+    prefill back-off cannot leave P fewer than one token (``nixl/base_scheduler.py`` 0.34.0 L402-409, L419-426:
+    a prompt no longer than the back-off is neither truncated on P nor shortened on D), so P prefills it, D
+    waits for and reads P's KV as for any remote prefill, and D then holds and outputs exactly what a single
+    engine does; P frees its blocks; nothing leaks."""
+    _pd_as_one_engine(make_pd, make_engine, shape, token_ids(1, start=1700))
+
+
+@pytest.mark.shapes("hybrid")
+def test_a_pd_prompt_ending_late_in_a_block_reads_each_window_block_into_its_place(make_pd, make_engine, shape):
+    """P sends the sliding-window group's last blocks (as many as the window can span); how many of them D
+    still holds depends on where the prompt ends in its last block: with 5 blocks and 20 tokens (D computes
+    179 tokens before the last), D's window has one block fewer than P sends (``nixl/base_scheduler.py`` 0.34.0
+    L151-154, ``v1/core/single_type_kv_cache_manager.py`` L301-317), so the read must pair D's blocks with P's
+    last ones, not its first.  D then holds and outputs exactly what a single engine does (on the model without a
+    window, the same P/D as any other prompt length); nothing leaks."""
+    _pd_as_one_engine(make_pd, make_engine, shape, token_ids(5 * BLOCK + 20, start=1900))
+
+
+def _pd_as_one_engine(make_pd, make_engine, shape, prompt: list[int]) -> None:
+    """``prompt`` prefilled on P and read by D over NIXL, then computed and decoded a step on D; D's tokens and
+    every group's blocks equal a single engine's after the prompt and after the step; P frees; no leak."""
     from vllm.v1.request import RequestStatus
 
     p, d = _pair(make_pd, shape)
     one = _engine(make_engine, shape, engine_id="kvcompat-single-engine")
-    prompt = token_ids(PROMPT, start=1500)
     with setup_owned_by(PREFILLED):
         params = p.prefill("hybrid-pd", prompt)
     req = d.request("hybrid-pd", prompt, max_tokens=3, kv_transfer_params=params)
@@ -290,6 +316,62 @@ def test_the_cpu_tier_counts_each_state_it_saved_and_each_it_already_held(make_e
     assert_no_leak(engine)
 
 
+def _tier_blocks(engine, groups: set[int] | None = None) -> int:
+    """The CPU tier's blocks that hold a stored block (of ``groups``, else of any group)."""
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    pool = engine.offload.scheduler_manager.cpu_block_pool
+    return sum(
+        1 for b in pool.blocks if b.block_hash is not None and (groups is None or get_group_id(b.block_hash) in groups)
+    )
+
+
+@pytest.mark.shapes("dense", "hybrid")
+def test_a_stored_prompt_computed_again_takes_no_new_cpu_tier_block(make_engine, transport, shape):
+    """A prompt the CPU tier already holds, computed again (served from the tier: the next turn, a retry),
+    stores nothing a second time: the tier holds as many blocks afterwards as before, in every group (its
+    ending inside a block included, the tail block a sub-block hit is served from).  A second copy would take
+    room that evicts other users' prefixes."""
+    engine = _engine(make_engine, shape)
+    if not hasattr(engine.offload, "scheduler_manager"):
+        not_applicable("this release's CPU-offload child has no scheduler-side block pool to count")
+    prompt = token_ids(5 * BLOCK + BLOCK // 2 + 9, start=6100)
+    stored_prefix(engine, prompt, "again-src")
+    held = _tier_blocks(engine)
+    engine.scheduler.add_request(engine.request("again", prompt, max_tokens=2))
+    engine.run(["again"])
+    engine.settle()
+    assert _tier_blocks(engine) == held, (
+        f"the tier held {held} blocks of the stored prompt and {_tier_blocks(engine)} after computing it again"
+    )
+    assert_no_leak(engine)
+
+
+@pytest.mark.shapes("hybrid")
+def test_a_prompt_tail_block_that_decode_fills_is_stored_once(make_engine, transport, shape):
+    """A prompt ending inside a block whose decode then fills that block: the block is stored once, whether
+    the tier takes it as a full block or as the prompt's tail (``v1/simple_kv_offload/manager.py`` 0.34.0
+    L1311-1320: "appending again would allocate two CPU blocks for one GPU block"), also while the copies the
+    tier made during decode are still in flight when the request finishes (L1376); the full-attention group then
+    holds one CPU block per full block the request computed."""
+    engine = _engine(make_engine, shape)
+    full = {g for g, grp in enumerate(engine.kv_cache_config.kv_cache_groups) if _is_full_attention(grp)}
+    prompt = token_ids(5 * BLOCK + BLOCK // 2 + 9, start=6500)
+    req = engine.request("filled-tail", prompt, max_tokens=12)
+    transport.hold()
+    engine.scheduler.add_request(req)
+    engine.run(["filled-tail"])
+    engine.step()
+    transport.release()
+    engine.settle()
+    computed = len(prompt) + 12 - 1
+    assert _tier_blocks(engine, full) == computed // BLOCK, (
+        f"the request computed {computed // BLOCK} full blocks and the tier holds {_tier_blocks(engine, full)} "
+        "of its full-attention group"
+    )
+    assert_no_leak(engine)
+
+
 # ---------------------------------------------------------------------------
 # 3. a state block being stored stays pinned
 # ---------------------------------------------------------------------------
@@ -347,6 +429,13 @@ def test_a_state_block_being_stored_stays_pinned_until_its_store_completes(make_
     engine.settle()
     assert cpu_tier_hit(engine, prompt, "stored-state-again") > 0, "the CPU tier does not serve the stored prompt"
     assert_no_leak(engine)
+
+
+def _is_full_attention(group) -> bool:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    spec = group.kv_cache_spec
+    return isinstance(spec, FullAttentionSpec) and not isinstance(spec, SlidingWindowSpec)
 
 
 def _is_state(engine, group) -> bool:
