@@ -129,6 +129,8 @@ def _run(cell: Cell, mo: MutationOptions, progress: Callable[[str], None]) -> li
             base = groups[0].run.baseline
             ctx.say(f"baseline is {base['outcome']}: {base['detail']}; mutants not scored")
             for g in groups:
+                if mo.only and g.kept:  # a rerun of a few: the previous scored record stays as it was
+                    continue
                 g.run.finished = now()
                 write_atomic(g.out, json.dumps(g.run.to_json(), indent=1))
             return [g.run for g in groups]
