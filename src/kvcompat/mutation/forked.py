@@ -35,7 +35,7 @@ class Forked:
     INLINE_SHUTDOWN_S = 2.0
     # A child out of time that used less CPU than this never got going: forked from a
     # parent whose other threads held a lock, or starved by other work on the machine (seen on 2 cores beside an
-    # e2e run: 0 s of CPU in a 40 s limit, and the same mutants survive a fresh pytest).  Not the mutant's
+    # e2e run: 0 s of CPU in a 40 s limit, and 3 of the 5 such mutants survive a fresh pytest).  Not the mutant's
     # verdict: it is scored the usual way, as a crash is.  A mutant that really hangs still times out there.
     STALLED_CPU_S = 1.0
 
