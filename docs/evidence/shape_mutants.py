@@ -3,6 +3,7 @@
     python3 docs/evidence/shape_mutants.py .kvcompat/venvs/<cell> --target nixl [--shape hybrid] [--ids]
     python3 docs/evidence/shape_mutants.py .kvcompat/venvs/<cell> --target nixl --score results/mutants-<cell>--nixl.json \
         --at 1efdd45
+    python3 docs/evidence/shape_mutants.py .kvcompat/venvs/<cell> --target nixl --at 1efdd45 --from-catalogue --markdown
 
 ``--at REV`` reads the explanations as they stood at a git revision (the catalogue before the shapes' rerun removed
 the entries of the mutants it killed), so the same mutants are scored after the catalogue has moved on.
@@ -14,7 +15,8 @@ window, heterogeneous TP, MLA, drafts, a replaced prefill).  ``--ids`` prints th
 ``nox -s mutants -- --mutant "..."``; ``--score`` reads a mutation run's results and prints, per shape, how many of
 those mutants it killed and, of the survivors, how many the catalogue now explains as out of scope (a
 configuration still not built), as reached but not observable, as a gap (a contract still to write), and which
-are unexplained.
+are unexplained.  ``--from-catalogue`` scores the same without a run's results: once prune_explained.py has taken a
+run's killed ids out of the catalogue, an id it no longer explains for the release was killed.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ def main() -> int:
     ap.add_argument("--shape", action="append", default=[], help="only this shape (repeatable)")
     ap.add_argument("--ids", action="store_true", help="print the ids, space-separated")
     ap.add_argument("--score", type=Path, help="a mutation run's results (results/mutants-<cell>--<group>.json)")
+    ap.add_argument(
+        "--from-catalogue",
+        action="store_true",
+        help="score from the catalogue alone, no run's results: a mutant it no longer explains for the release was "
+        "killed (prune_explained.py takes killed ids out), one it explains survives as its reason says",
+    )
     ap.add_argument("--markdown", action="store_true", help="with --score: table rows for docs/mutation.md")
     ap.add_argument("--at", metavar="REV", help="read the explanations as they stood at this git revision")
     args = ap.parse_args()
@@ -94,12 +102,15 @@ def main() -> int:
     if args.ids:
         print(" ".join(sorted(named)))
         return 0
-    if args.score is None:
+    if args.from_catalogue:
+        status = {i: "killed" if reasons.explanation_for(i, release) is None else "survived" for i in named}
+    elif args.score is None:
         counts = collections.Counter(s for ss in named.values() for s in ss)
         print(f"{release} {args.target}: {len(named)} explained mutants name a shape: {dict(counts)}")
         return 0
-    run = json.loads(args.score.read_text())
-    status = {m["id"]: m["status"] for m in run["mutants"]}
+    else:
+        run = json.loads(args.score.read_text())
+        status = {m["id"]: m["status"] for m in run["mutants"]}
     rows = collections.defaultdict(collections.Counter)
     left = collections.defaultdict(list)
     for i, shapes in named.items():
