@@ -274,17 +274,12 @@ def test_the_cpu_tier_counts_each_state_it_saved_and_each_it_already_held(make_e
     names = offload_metric_names()
     if names is None or not hasattr(engine.offload, "get_boundary_store_stats"):
         not_applicable("this release's CPU-offload child keeps no count of the Mamba states handed to it")
-    from vllm.v1.core.kv_cache_utils import get_group_id
-
-    manager = engine.offload.scheduler_manager
-    groups = manager.cpu_kv_cache_config.kv_cache_groups
+    groups = engine.offload.scheduler_manager.cpu_kv_cache_config.kv_cache_groups
     mamba = {g for g, grp in enumerate(groups) if _is_state(engine, engine.kv_cache_config.kv_cache_groups[g])}
     assert mamba, "the hybrid engine has no Mamba state group"
 
     def states() -> int:
-        return sum(
-            1 for b in manager.cpu_block_pool.blocks if b.block_hash is not None and get_group_id(b.block_hash) in mamba
-        )
+        return _tier_blocks(engine, mamba)
 
     reports = ch.spy(monkeypatch, engine.offload, "get_kv_connector_stats").returned
 

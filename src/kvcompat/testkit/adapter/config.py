@@ -127,34 +127,16 @@ def offload_child_config(
 
 
 def multi_kv_transfer_config(
-    block_size: int,
-    num_gpu_blocks: int,
-    engine_id: str = "kvcompat-engine",
-    *,
-    order: str | None = None,
-    world_size: int = 1,
-    bytes_per_block: int | None = None,
-    nixl_extra_config: dict[str, Any] | None = None,
-    offload_extra_config: dict[str, Any] | None = None,
+    block_size: int, num_gpu_blocks: int, engine_id: str = "kvcompat-engine", **options
 ) -> Any:
     """KVTransferConfig for MultiConnector with a Nixl and a CPU-offload child in ``order`` (the
-    cell's by default); children without engine_id.  ``nixl_extra_config`` / ``offload_extra_config``:
-    a child's own extra config, as a user writes it (e.g. Nixl's ``kv_lease_duration``, the CPU tier's
+    cell's by default); children without engine_id.  ``options`` are :func:`multi_kv_transfer_dict`'s:
+    ``order``, ``world_size``, ``bytes_per_block``, and ``nixl_extra_config`` / ``offload_extra_config``, a
+    child's own extra config, as a user writes it (e.g. Nixl's ``kv_lease_duration``, the CPU tier's
     ``num_cpu_blocks``), over the suite's."""
     from vllm.config import KVTransferConfig
 
-    return KVTransferConfig(
-        **multi_kv_transfer_dict(
-            block_size,
-            num_gpu_blocks,
-            engine_id,
-            order=order,
-            world_size=world_size,
-            bytes_per_block=bytes_per_block,
-            nixl_extra_config=nixl_extra_config,
-            offload_extra_config=offload_extra_config,
-        )
-    )
+    return KVTransferConfig(**multi_kv_transfer_dict(block_size, num_gpu_blocks, engine_id, **options))
 
 
 def multi_kv_transfer_dict(
