@@ -36,10 +36,11 @@ class Shape:
     model: str = "llama"  # the tiny model: "llama" (dense attention), "hybrid" (Mamba2 + attention), "mla"
     prefill_tp: int = 1
     decode_tp: int = 1
-    drafts: str | None = None  # speculative decoding on both sides: "ngram"
+    drafts: str | None = None  # speculative decoding on both sides: "ngram"; "eagle3" (an EAGLE-3 head, mla-drafts)
     async_scheduling: bool = False  # EngineCore's batch-queue order, as GPU users run it by default from 0.34
     restarted_prefill: bool = False  # D's prefill peer replaced by a new engine at the same address
     prefix_match_unit: int | None = None  # --prefix-match-unit: prefix-cache hits inside a block (hybrid models)
+    kv_cache_layout: str | None = None  # VLLM_KV_CACHE_LAYOUT the user sets on both sides (None: the release's)
 
     @property
     def hetero_tp(self) -> bool:
@@ -74,6 +75,33 @@ SHAPES: tuple[Shape, ...] = (
         "mla",
         "the MLA model with prefill TP 2, decode TP 1: the latent is replicated, D reads it once",
         model="mla",
+        prefill_tp=2,
+    ),
+    Shape(
+        "mla-eagle",
+        "mla-drafts",
+        "the MLA model with an EAGLE-3 draft head of its own (GQA) KV layer on both sides, TP 1 (DeepSeek/Kimi "
+        "with an EAGLE-3 head)",
+        model="mla",
+        drafts="eagle3",
+    ),
+    Shape(
+        "mla-eagle-p1d2",
+        "mla-drafts",
+        "the MLA model with an EAGLE-3 GQA draft head, prefill TP 1, decode TP 2: each D rank reads the latent "
+        "whole and its slice of the draft's heads (VLLM_KV_CACHE_LAYOUT=HND, the layout Nixl asks for it)",
+        model="mla",
+        drafts="eagle3",
+        decode_tp=2,
+        kv_cache_layout="HND",
+    ),
+    Shape(
+        "mla-eagle-p2d1",
+        "mla-drafts",
+        "the MLA model with an EAGLE-3 GQA draft head, prefill TP 2, decode TP 1: D needs each P rank's draft "
+        "heads (a pair Nixl refuses at the handshake from 0.33)",
+        model="mla",
+        drafts="eagle3",
         prefill_tp=2,
     ),
     Shape("drafts-ngram", "drafts", "ngram speculative decoding on both sides (2 draft tokens)", drafts="ngram"),
