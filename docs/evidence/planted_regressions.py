@@ -190,6 +190,17 @@ PLANTS = (
         shape="mla",
     ),
     Plant(
+        "mla-drafts-draft-heads-read-at-the-latents-mapping",
+        f"{NIXL}/base_worker.py",
+        "                    if local_region in self._head_sharded_draft_regions\n",
+        "                    if False  # PLANTED: the draft's heads read with the MLA latent's TP mapping\n",
+        (
+            "test_shape_mla_drafts.py::test_pd_read_gives_decode_the_latent_and_its_draft_heads_and_every_prefill"
+            "_rank_frees_promptly[mla-eagle-p1d2]",
+        ),
+        shape="mla-drafts",
+    ),
+    Plant(
         "restarted-prefill-replaced-engine-never-released",
         f"{NIXL}/base_worker.py",
         "            replaced = self._remote_agents.keys() - self._engine_by_address.values()\n",
