@@ -65,3 +65,52 @@ def test_real_nixl_read_is_byte_exact_through_multiconnector(pd, nixl_agent):
         agent = nixl.connector_worker.nixl_wrapper
         assert isinstance(agent, nixl_agent), f"NIXL agent is {type(agent).__module__}.{type(agent).__name__}"
     print(pd_read_is_byte_exact(p, d, "pd-real-0", token_ids(3 * BLOCK + 5)))
+
+
+def _prep_outcomes(make_agent) -> list[bool]:
+    """Which of seven descriptor lists an agent prepares (True) or refuses (False): its own registered
+    DRAM; as VRAM; an unregistered buffer; a range past its region's end; another device id; the remote's
+    registered DRAM; a remote region registered after the remote was added."""
+    import ctypes
+
+    d, p = make_agent("kvc-probe-d"), make_agent("kvc-probe-p")
+    bufs = [(ctypes.c_uint8 * 4096)() for _ in range(4)]
+    addr = [ctypes.addressof(b) for b in bufs]
+    d.register_memory(d.get_reg_descs([(addr[0], 4096, 0, "")], "DRAM"))
+    p.register_memory(p.get_reg_descs([(addr[1], 4096, 0, "")], "DRAM"))
+    name = d.add_remote_agent(p.get_agent_metadata())
+    p.register_memory(p.get_reg_descs([(addr[3], 4096, 0, "")], "DRAM"))
+    cases = [
+        ("NIXL_INIT_AGENT", [(addr[0], 1024, 0)], "DRAM"),
+        ("NIXL_INIT_AGENT", [(addr[0], 1024, 0)], "VRAM"),
+        ("NIXL_INIT_AGENT", [(addr[2], 1024, 0)], "DRAM"),
+        ("NIXL_INIT_AGENT", [(addr[0] + 4000, 1024, 0)], "DRAM"),
+        ("NIXL_INIT_AGENT", [(addr[0], 1024, 1)], "DRAM"),
+        (name, [(addr[1], 1024, 0)], "DRAM"),
+        (name, [(addr[3], 1024, 0)], "DRAM"),
+    ]
+    out = []
+    for agent, descs, mem in cases:
+        try:
+            d.prep_xfer_dlist(agent, descs, mem)
+            out.append(True)
+        except Exception as e:  # real NIXL: nixlNotFoundError; the fake: RuntimeError, both NIXL_ERR_NOT_FOUND
+            assert "NIXL_ERR_NOT_FOUND" in str(e), e
+            out.append(False)
+    return out
+
+
+def test_real_nixl_refuses_a_dlist_outside_registered_memory(nixl_agent):
+    """The reference for the fake's refusal (fake_nixl.py docstring): real NIXL prepares a descriptor list
+    only over memory registered with its memory type and device id, the remote's as its metadata carried it
+    when added; the fake answers the seven cases the same way."""
+    from nixl._api import nixl_agent_config
+
+    from kvcompat.testkit.fake_nixl import FakeNixlWrapper
+
+    expected = [True, False, False, False, False, True, False]
+    assert _prep_outcomes(lambda n: nixl_agent(n, nixl_agent_config(backends=["UCX"]))) == expected
+    try:
+        assert _prep_outcomes(lambda n: FakeNixlWrapper(n, None)) == expected
+    finally:
+        FakeNixlWrapper.instances[:] = [a for a in FakeNixlWrapper.instances if not a.name.startswith("kvc-probe")]

@@ -47,8 +47,11 @@ def test_registration_round_trip(agents):
     assert d.registered == []
 
 
-def _blocks(fill: int) -> tuple[ctypes.Array, list[tuple[int, int, int]]]:
+def _blocks(fill: int, agent: FakeNixlWrapper | None = None) -> tuple[ctypes.Array, list[tuple[int, int, int]]]:
+    """Four 64-byte blocks of one buffer, registered with ``agent`` as DRAM when given."""
     buf = (ctypes.c_uint8 * 256)(*([fill] * 256))
+    if agent is not None:
+        agent.register_memory(agent.get_reg_descs([(ctypes.addressof(buf), 256, 0, "")], "DRAM"))
     return buf, [(ctypes.addressof(buf) + 64 * i, 64, 0) for i in range(4)]
 
 
@@ -56,9 +59,10 @@ def test_a_transfer_is_in_progress_until_polled_then_moves_the_bytes_and_notifie
     """A READ from the prefill agent: nothing moves inside transfer(); once polled DONE, the remote
     blocks' bytes are in the local ones and the prefill agent has the notification."""
     d, p = agents
-    local_buf, local_descs = _blocks(0)
-    remote_buf, remote_descs = _blocks(7)
+    local_buf, local_descs = _blocks(0, d)
+    remote_buf, remote_descs = _blocks(7, p)
     remote_buf[128:192] = bytes(range(64))  # remote block 2
+    d.add_remote_agent(p.get_agent_metadata())
     local = d.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, "DRAM")
     remote = d.prep_xfer_dlist(b"prefill", remote_descs, "DRAM")
     h = d.make_prepped_xfer("READ", local, [0, 1], remote, [2, 3], b"req-1")
@@ -85,9 +89,9 @@ def test_a_disconnect_invalidates_the_remote_agent_until_it_is_added_again(agent
     says so, posting another transfer towards it raises (postXferReq: NIXL_ERR_NOT_FOUND) and one in flight
     ends in ERR; once the agent's metadata is added again, transfers to it work."""
     d, p = agents
+    local_buf, local_descs = _blocks(0, d)
+    _, remote_descs = _blocks(7, p)
     d.add_remote_agent(p.get_agent_metadata())
-    local_buf, local_descs = _blocks(0)
-    _, remote_descs = _blocks(7)
     local = d.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, "DRAM")
     remote = d.prep_xfer_dlist(b"prefill", remote_descs, "DRAM")
     FakeNixlWrapper.polls_until_done = 2
@@ -113,8 +117,9 @@ def test_a_disconnect_invalidates_the_remote_agent_until_it_is_added_again(agent
 def test_a_removed_remote_agent_takes_no_transfer(agents):
     """remove_remote_agent drops the metadata the same way: a transfer towards the agent raises on post."""
     d, p = agents
+    buf, descs = _blocks(0, d)
+    p.register_memory(p.get_reg_descs([(ctypes.addressof(buf), 256, 0, "")], "DRAM"))
     d.add_remote_agent(p.get_agent_metadata())
-    _, descs = _blocks(0)
     local = d.prep_xfer_dlist("NIXL_INIT_AGENT", descs, "DRAM")
     remote = d.prep_xfer_dlist(b"prefill", descs, "DRAM")
     d.remove_remote_agent(b"prefill")
@@ -184,9 +189,9 @@ def test_peers_fail_reads_towards_a_gone_peer_and_reads_with_a_stale_registratio
     before it registered its memory again ends in ERR, and one after the reader loaded the new metadata completes."""
     d, p = agents
     peers = fake_nixl.Peers(monkeypatch, FakeNixlWrapper, registrations=True)
-    local_buf, local_descs = _blocks(0)
+    local_buf, local_descs = _blocks(0, d)
     _, remote_descs = _blocks(7)
-    p.register_memory(remote_descs)
+    p.register_memory(p.get_reg_descs([(remote_descs[0][0], 256, 0, "")], "DRAM"))
     d.add_remote_agent(p.get_agent_metadata())
     local = d.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, "DRAM")
     remote = d.prep_xfer_dlist(b"prefill", remote_descs, "DRAM")
@@ -207,3 +212,32 @@ def test_peers_fail_reads_towards_a_gone_peer_and_reads_with_a_stale_registratio
     d.transfer(h)
     peers.gone.add("prefill")
     assert d.check_xfer_state(h) == "ERR" and not d.check_remote_metadata("prefill")
+
+
+def test_a_dlist_outside_registered_memory_is_refused(agents):
+    """As nixlAgent::prepXferDlist does (measured on nixl 1.5.1 over UCX,
+    tests/connectors/test_real_nixl.py::test_real_nixl_refuses_a_dlist_outside_registered_memory): a list is
+    prepared only over memory registered with its memory type and device id, the agent's own for
+    NIXL_INIT_AGENT and the remote's as its metadata carried it when added."""
+    d, p = agents
+    _, local_descs = _blocks(0, d)
+    remote_buf, remote_descs = _blocks(7, p)
+    d.add_remote_agent(p.get_agent_metadata())
+    d.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, "DRAM")
+    d.prep_xfer_dlist(b"prefill", remote_descs, "DRAM")
+    _, unregistered = _blocks(0)
+    later_buf, later = _blocks(0, p)  # registered by the peer after d added it
+    past_end = [(local_descs[3][0] + 32, 64, 0)]
+    other_device = [(a, n, 1) for a, n, _ in local_descs]
+    for agent, descs, mem in (
+        ("NIXL_INIT_AGENT", local_descs, "VRAM"),
+        ("NIXL_INIT_AGENT", unregistered, "DRAM"),
+        ("NIXL_INIT_AGENT", past_end, "DRAM"),
+        ("NIXL_INIT_AGENT", other_device, "DRAM"),
+        (b"prefill", remote_descs, "VRAM"),
+        (b"prefill", later, "DRAM"),
+    ):
+        with pytest.raises(RuntimeError, match="NIXL_ERR_NOT_FOUND"):
+            d.prep_xfer_dlist(agent, descs, mem)
+    d.add_remote_agent(p.get_agent_metadata())  # the peer's metadata again: now with the later region
+    d.prep_xfer_dlist(b"prefill", later, "DRAM")

@@ -18,6 +18,12 @@ the real library and is the reference for these behaviours):
   backend's init parameters;
 * ``prep_xfer_dlist`` / ``make_prepped_xfer`` / ``get_reg_descs`` /
   ``get_xfer_descs`` return opaque handles; releasing an unknown handle raises;
+* ``prep_xfer_dlist`` raises ``NIXL_ERR_NOT_FOUND`` unless every descriptor lies inside memory registered
+  with the same memory type and device id: the agent's own for ``"NIXL_INIT_AGENT"``, the remote agent's as
+  its metadata carried it when it was added (memory the peer registers later is unknown until the peer is
+  added again), as ``nixlAgent::prepXferDlist`` populates the list from the registered sections
+  (src/core/nixl_agent.cpp; measured on nixl 1.5.1: ``VRAM`` over ``DRAM`` memory, an unregistered
+  buffer, a range past a region's end, another device id, a region registered after the add);
 * a remote agent whose metadata this agent dropped (``remove_remote_agent``, or a
   transfer that ended in a remote disconnect) is *invalidated* until it is added
   again: posting a transfer towards it raises (NIXL_ERR_NOT_FOUND) and a transfer
@@ -131,6 +137,50 @@ def _expand(descs: Any) -> list[tuple[int, int]]:
     return out
 
 
+def _rows(descs: Any) -> list[tuple[int, int, int]]:
+    """(address, length, device id) of every descriptor of a list, strided rows expanded (:func:`_expand`);
+    registration rows carry a fourth, name field, which is left out."""
+    out: list[tuple[int, int, int]] = []
+    for row in descs:
+        if len(row) == 5:
+            addr, length, dev, stride, count = (int(v) for v in row)
+            out += [(addr + k * stride, length, dev) for k in range(count)]
+        else:
+            out.append((int(row[0]), int(row[1]), int(row[2]) if len(row) > 2 else 0))
+    return out
+
+
+def _mem(mem_type: str | None) -> str | None:
+    return None if mem_type is None else str(mem_type).upper().removesuffix("_SEG")
+
+
+@dataclass(frozen=True)
+class _Region:
+    mem_type: str | None
+    addr: int
+    length: int
+    dev: int
+
+
+def _regions(lists: list[FakeDescList]) -> list[_Region]:
+    return [_Region(_mem(dl.mem_type), a, n, d) for dl in lists for a, n, d in _rows(dl.descs)]
+
+
+def _uncovered(descs: FakeDescList, regions: list[_Region]) -> tuple[int, int, int] | None:
+    """The first descriptor of ``descs`` that no region of its memory type and device holds whole."""
+    mem = _mem(descs.mem_type)
+    spans: dict[tuple[str | None, int], list[tuple[int, int]]] = {}
+    for r in regions:
+        spans.setdefault((r.mem_type, r.dev), []).append((r.addr, r.addr + r.length))
+    for addr, length, dev in _rows(descs.descs):
+        candidates = [
+            s for (m, d), ss in spans.items() if d == dev and (m == mem or m is None or mem is None) for s in ss
+        ]
+        if not any(lo <= addr and addr + length <= hi for lo, hi in candidates):
+            return addr, length, dev
+    return None
+
+
 def _as_bytes(msg: str | bytes) -> bytes:
     return msg.encode() if isinstance(msg, str) else bytes(msg)
 
@@ -160,6 +210,7 @@ class _AgentsAndMemory(_Recorder):
 
     registered: list[FakeDescList]
     remote_agents: dict[str, bytes]
+    remote_regions: dict[str, list[_Region]]
     invalidated: set[str]
     backends: list[str]
     backend_params: dict[str, dict[str, str]]
@@ -231,6 +282,10 @@ class _AgentsAndMemory(_Recorder):
         md = bytes(metadata)
         name = md.split(b":", 1)[1] if md.startswith(b"fake-nixl-md:") else md
         self.remote_agents[name.decode(errors="replace")] = md
+        # real metadata carries the peer's registered sections as they are now (nixlAgent::getLocalMD)
+        peer = FakeNixlWrapper.named(name)
+        if peer is not None:
+            self.remote_regions[name.decode(errors="replace")] = _regions(peer.registered)
         self.invalidated.discard(name.decode(errors="replace"))
         return name  # bytes, like real NIXL
 
@@ -253,6 +308,8 @@ class _Transfers(_Recorder):
 
     polls_until_done: ClassVar[int]
     invalidated: set[str]
+    registered: list[FakeDescList]
+    remote_regions: dict[str, list[_Region]]
     _handles: itertools.count[int]
     _dlists: dict[int, tuple[str, FakeDescList]]
     _xfers: dict[int, _Xfer]
@@ -261,8 +318,21 @@ class _Transfers(_Recorder):
         self, agent_name: str | bytes, xfer_list: Any, mem_type: str | None = None, *args: Any, **kwargs: Any
     ) -> int:
         self._record("prep_xfer_dlist", (agent_name, xfer_list, mem_type) + args, kwargs)
-        h = next(self._handles)
         dl = xfer_list if isinstance(xfer_list, FakeDescList) else FakeDescList(mem_type, list(xfer_list))
+        key = _agent_key(agent_name)
+        if key in ("", "NIXL_INIT_AGENT"):
+            regions: list[_Region] | None = _regions(self.registered)
+        else:
+            regions = self.remote_regions.get(key)  # None: a peer outside this process, nothing to check
+        checked = FakeDescList(mem_type if mem_type is not None else dl.mem_type, dl.descs)
+        outside = None if regions is None else _uncovered(checked, regions)
+        if outside is not None:  # nixlAgent::prepXferDlist finds no registered section holding it
+            addr, length, dev = outside
+            raise RuntimeError(
+                f"NIXL_ERR_NOT_FOUND: prep_xfer_dlist({key!r}): descriptor ({addr:#x}, {length}, dev {dev}) "
+                f"of mem type {mem_type!r} lies in no memory registered with that type and device"
+            )
+        h = next(self._handles)
         self._dlists[h] = (_agent_key(agent_name), dl)
         return h
 
@@ -432,6 +502,7 @@ class FakeNixlWrapper(_AgentsAndMemory, _Transfers, _Notifications):
         self.calls: list[RecordedCall] = []
         self.registered: list[FakeDescList] = []
         self.remote_agents: dict[str, bytes] = {}
+        self.remote_regions: dict[str, list[_Region]] = {}  # each remote agent's registrations when added
         self.invalidated: set[str] = set()  # remote agents whose metadata was dropped, until added again
         self.backends: list[str] = []
         self.backend_params: dict[str, dict[str, str]] = {}
