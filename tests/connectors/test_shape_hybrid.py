@@ -209,6 +209,85 @@ def test_a_cpu_tier_hit_restores_every_kv_cache_group(make_engine, transport, sh
     _hit_restores(engine, transport, token_ids(PROMPT, start=2100), "tier-hit", shape)
 
 
+def _zeroed_since(engine, first: int) -> set[int]:
+    """The blocks the engine's steps since its ``first`` SchedulerOutput asked the model runner to zero."""
+    return {b for so in engine.sched_outputs[first:] for b in (getattr(so, "new_block_ids_to_zero", None) or ())}
+
+
+def _loaded_blocks(engine, req, end: int) -> dict[int, list[int]]:
+    """The blocks an async load of ``req``'s first ``end`` tokens writes, per KV-cache group: the groups the
+    connector says its load restores (``get_loaded_kv_cache_group_ids``, where the release asks it; before,
+    the Scheduler skips every group's blocks in the loaded range), each group's blocks up to ``end``."""
+    groups = engine.kv_cache_config.kv_cache_groups
+    loaded = getattr(engine.multi, "get_loaded_kv_cache_group_ids", None)
+    ids = set(loaded(req)) if loaded is not None else set(range(len(groups)))
+    held = engine.scheduler.kv_cache_manager.get_block_ids(req.request_id)
+    out = {}
+    for g in sorted(ids):
+        bs = groups[g].kv_cache_spec.block_size
+        out[g] = [b for b in held[g][: -(-end // bs)] if b != NULL_BLOCK]
+    return out
+
+
+@pytest.mark.shapes("hybrid")
+@pytest.mark.parametrize("via", ["nixl", "cpu-tier"])
+def test_a_load_never_has_the_model_runner_zero_the_blocks_it_writes(make_pd, make_engine, transport, shape, via):
+    """A hybrid model's new attention blocks are zeroed by the model runner at the start of a step
+    (``SchedulerOutput.new_block_ids_to_zero``: stale Mamba bytes read as NaN in attention, vllm#35219).  A block
+    an async load (a NIXL read, a CPU-tier hit) is writing must never be on that list: the runner's zeroing
+    races the load's write and the request attends over zeros (vllm#48481; ``scheduler.py`` 0.34.0 L1505-1509:
+    "must not be zeroed").  From the step that starts the load until it has finished, no step names a block
+    the load writes; the zeroing is live on this model (the stored or prefilled prompt's own blocks were
+    named)."""
+    from vllm.v1.request import RequestStatus
+
+    if not _zeroing_in_release():
+        not_applicable("the release's SchedulerOutput names no blocks for the model runner to zero")
+    prompt = token_ids(PROMPT, start=5300)
+    if via == "nixl":
+        p, engine = _pair(make_pd, shape)
+        with setup_owned_by(PREFILLED):
+            params = p.prefill("zero-pd", prompt)
+        source, peers = p, [p]
+        req = engine.request("zero-pd", prompt, max_tokens=2, kv_transfer_params=params)
+    else:
+        engine = _engine(make_engine, shape)
+        stored_prefix(engine, prompt, "zero-src")
+        _scrub(engine)
+        source, peers = engine, []
+        req = engine.request("zero-hit", prompt, max_tokens=2)
+    assert _zeroed_since(source, 0), "no step asked the runner to zero a block: the zeroing is not on here"
+    first = len(engine.sched_outputs)
+    engine.scheduler.add_request(req)
+    engine.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"the {via} load did not start: {req.status}"
+    written = _loaded_blocks(engine, req, req.num_computed_tokens)
+    rid = req.request_id
+    done = (
+        (lambda: read_received(engine, rid))
+        if via == "nixl"
+        else (lambda: req.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
+    )
+    assert step_until([engine, *peers], done), f"the {via} load never finished"
+    zeroed = _zeroed_since(engine, first)
+    hit = {g: sorted(set(bs) & zeroed) for g, bs in written.items() if set(bs) & zeroed}
+    assert not hit, (
+        f"the step that started the {via} load (or one before it finished) had the model runner zero blocks the "
+        f"load writes, per KV-cache group: {hit}"
+    )
+    engine.run([rid])
+    assert_no_leak(engine, *peers)
+
+
+def _zeroing_in_release() -> bool:
+    """Probe: the release's SchedulerOutput has ``new_block_ids_to_zero`` (the model runner zeroes new blocks)."""
+    import dataclasses
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    return "new_block_ids_to_zero" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+
+
 @pytest.mark.shapes("hybrid")
 def test_a_cpu_tier_hit_on_a_block_aligned_prompt_restores_a_state_that_consumed_exactly_its_tokens(
     make_engine, transport, shape
@@ -319,6 +398,75 @@ def _tier_blocks(engine, groups: set[int] | None = None) -> int:
     return sum(
         1 for b in pool.blocks if b.block_hash is not None and (groups is None or get_group_id(b.block_hash) in groups)
     )
+
+
+@pytest.mark.shapes("hybrid")
+@pytest.mark.parametrize("room", [-1, 0, 1], ids=["one-block-short", "exactly", "one-block-over"])
+def test_a_nearly_full_cpu_tier_drops_a_state_only_when_it_has_no_room(
+    make_engine, transport, shape, monkeypatch, room
+):
+    """A CPU tier sized near the Mamba states a prompt hands it (one block fewer, exactly as many, one more;
+    its stores held in flight, so nothing frees room meanwhile): the engine finishes the request; a state is
+    counted ``dropped_cpu_full`` only in a step where the tier had fewer free blocks than the states that
+    step stored or dropped (a state dropped beside a free block is lost for nothing, and the counter then
+    misleads a user sizing the tier); ``published`` is the sum of the outcomes; once the stores complete the
+    tier holds what was counted ``stored`` and nothing leaks (``v1/simple_kv_offload/manager.py`` 0.34.0
+    L768-790)."""
+    if not va.has_simple_cpu_offload() or '"num_cpu_blocks"' not in _offload_source():
+        not_applicable("this release's CPU-offload child takes no num_cpu_blocks")
+    names = offload_metric_names()
+    roomy = _engine(make_engine, shape)
+    if names is None or not hasattr(roomy.offload, "get_boundary_store_stats"):
+        not_applicable("this release's CPU-offload child keeps no count of the Mamba states handed to it")
+    prompt = token_ids(PROMPT, start=5500)
+    stored_prefix(roomy, prompt, "nearly-full-src")
+    mamba = {g for g, grp in enumerate(roomy.kv_cache_config.kv_cache_groups) if _is_state(roomy, grp)}
+    states = _tier_blocks(roomy, mamba)
+    assert states > 0, "a roomy CPU tier holds no Mamba state of the hybrid prompt"
+    usable = max(states + room, 1)
+    engine = _engine(
+        make_engine, shape, offload_extra_config={"num_cpu_blocks": usable + 1}, engine_id="kvcompat-nearly-full"
+    )  # block 0 is the pool's null block
+    pool = engine.offload.scheduler_manager.cpu_block_pool
+    reports = ch.spy(monkeypatch, engine.offload, "get_kv_connector_stats").returned
+
+    def counted(since: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in reports[since:]:
+            for labels, n in (r.data.get("data", {}).get(names.SAVE_OUTCOMES, {}) if r else {}).items():
+                out[labels[0]] = out.get(labels[0], 0) + n
+        return out
+
+    transport.hold()
+    engine.scheduler.add_request(engine.request("nearly-full", prompt, max_tokens=2))
+    for _ in patient_steps(80):
+        if engine.finished_output("nearly-full") is not None:
+            break
+        free, since = pool.get_num_free_blocks(), len(reports)
+        engine.step()
+        step = counted(since)
+        needing = step.get("stored", 0) + step.get("dropped_cpu_full", 0)
+        assert step.get("dropped_cpu_full", 0) <= max(needing - free, 0), (
+            f"a tier of {usable} blocks with {free} free dropped {step.get('dropped_cpu_full', 0)} of the {needing} "
+            f"Mamba states a step handed it for lack of room ({step})"
+        )
+    assert engine.finished_output("nearly-full") is not None, "the request never finished beside a nearly full tier"
+    transport.release()
+    engine.settle()
+    total = counted(0)
+    stats = engine.offload.get_boundary_store_stats()
+    assert stats.published == sum(total.values()), f"published {stats.published} is not the sum of {total}"
+    assert _tier_blocks(engine, mamba) == total.get("stored", 0), (
+        f"the tier holds {_tier_blocks(engine, mamba)} Mamba states and counted {total}"
+    )
+    assert_no_leak(engine)
+
+
+def _offload_source() -> str:
+    import importlib
+    import inspect
+
+    return inspect.getsource(importlib.import_module(va.V1 + ".simple_cpu_offload_connector"))
 
 
 @pytest.mark.shapes("dense", "hybrid")
