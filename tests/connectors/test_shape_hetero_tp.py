@@ -25,6 +25,7 @@ from conftest import (
     SHAPE_PD_READ,
     assert_no_leak,
     deployed,
+    nixl_lease,
     patient_steps,
     read_received,
     step_until,
@@ -156,6 +157,118 @@ def test_the_prefill_frees_a_request_only_when_every_reading_rank_has_read(make_
     held.holding = False
     d.run(["tp-free"])
     assert step_until([p], lambda: "tp-free" not in p.scheduler.requests), "P kept the blocks after every read"
+    assert_no_leak(p, d)
+
+
+class HeldReads:
+    """Holds in flight the READs one D agent posts towards one P agent (the transfer still on the wire), handing
+    the real state on once released; records what that P agent receives from that D agent meanwhile."""
+
+    def __init__(self, monkeypatch, reader, target) -> None:
+        self.reader, self.target = reader, target
+        self.holding = True
+        self.held: set[int] = set()
+        self.heard: list[bytes] = []  # what ``target`` received from ``reader`` while a READ was held
+        real_check, real_inject = reader.check_xfer_state, target.inject_notif
+
+        def check_xfer_state(handle):
+            x = reader._xfers.get(handle)
+            if self.holding and x is not None and x.state == "PROC" and reader._remote_name(x) == target.name:
+                self.held.add(handle)
+                return "PROC"
+            return real_check(handle)
+
+        def inject_notif(sender, msg):
+            if self.holding and sender == reader.name and self.held:
+                self.heard.append(bytes(msg))
+            return real_inject(sender, msg)
+
+        monkeypatch.setattr(reader, "check_xfer_state", check_xfer_state)
+        monkeypatch.setattr(target, "inject_notif", inject_notif)
+
+
+@pytest.mark.shapes("hetero-tp")
+def test_a_prefill_rank_hears_of_a_read_only_once_the_read_from_it_has_completed(make_pd, shape, monkeypatch):
+    """A P rank may reuse a request's blocks once it hears that D has read them, so it must hear so only when
+    the READ from it has completed: while the last D rank's READ from the last P rank holding its heads is still
+    in flight (the other READs done), that P rank receives no notification from that D rank and P still holds
+    the request; once the READ completes, P frees it and neither engine leaks.  A decode that notifies a P rank
+    as it posts the READ (not as the READ completes) lets P free blocks still being read."""
+    p, d = _deploy(make_pd, shape)
+    r = len(d.ranks) - 1
+    q = max(q for q in range(len(p.ranks)) if _heads(p, q) & _heads(d, r))
+    held = HeldReads(monkeypatch, _agent(d, r), _agent(p, q))
+    prompt = token_ids(3 * BLOCK + 5, start=820)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("tp-notify", prompt)
+    d.scheduler.add_request(va.make_request("tp-notify", prompt, max_tokens=2, kv_transfer_params=params))
+    for _ in patient_steps(40):
+        if held.held:
+            break
+        d.step()
+        p.step()
+    with setup_owned_by(SHAPE_PD_READ):
+        assert held.held, f"D rank {r} never posted a READ from P rank {q}"
+    for _ in range(8):
+        d.step()
+        p.step()
+    assert not held.heard, (
+        f"P rank {q} was notified by D rank {r} while D rank {r}'s READ from it was still in flight: {held.heard}"
+    )
+    assert "tp-notify" in p.scheduler.requests, (
+        f"P freed the request while D rank {r}'s READ from P rank {q} was in flight"
+    )
+    held.holding = False
+    d.run(["tp-notify"])
+    assert step_until([p], lambda: "tp-notify" not in p.scheduler.requests), "P kept the blocks after every read"
+    assert_no_leak(p, d)
+
+
+@pytest.mark.shapes("hetero-tp", "mla")
+def test_a_read_that_fails_to_post_reads_and_announces_nothing_more_of_the_request(
+    make_pd, shape, nixl_agent, monkeypatch
+):
+    """A D rank whose first READ of a request cannot be posted (the backend refuses it) gives the request up
+    there: it posts no further READ of it (from another P rank, into blocks the Scheduler may already free and
+    reuse) and tells no P rank that it read it (P would count the request as read), on every pair: a D rank
+    reading several P ranks (P TP 2 -> D TP 1), MLA's D notifying the P ranks it does not read.  The request
+    then ends as the load-failure policy says (recomputed or failed), P frees its blocks, no transfer handle
+    is left open and nothing leaks (``nixl/pull_worker.py`` 0.34.0 L361-377)."""
+    from test_nixl_peers import _ended_as_the_policy_says, _p_frees
+
+    from kvcompat.testkit import nixl_clock
+
+    lease_s = 2
+    p, d = deployed(make_pd, shape, nixl_extra_config=nixl_lease(monkeypatch, lease_s))
+    clock = nixl_clock.install(monkeypatch)
+    failed: list[tuple[object, int]] = []  # (the D agent whose post failed, its call count then)
+    real_transfer = nixl_agent.transfer
+
+    def transfer(agent, handle, notif_msg=b""):
+        if not failed:
+            failed.append((agent, len(agent.calls)))
+            raise RuntimeError("NIXL_ERR_BACKEND: the transfer could not be posted (injected)")
+        return real_transfer(agent, handle, notif_msg)
+
+    monkeypatch.setattr(nixl_agent, "transfer", transfer)
+    prompt = token_ids(3 * BLOCK + 5, start=880)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("tp-post-fails", prompt)
+    req = va.make_request("tp-post-fails", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    assert step_until([d, p], lambda: req.is_finished()), f"D's request never finished ({req.status})"
+    assert failed, "no READ of the request was posted"
+    agent, at = failed[0]
+    after = [
+        c.name if c.name != "send_notif" else f"send_notif({bytes(c.args[1])!r})"
+        for c in agent.calls[at:]
+        if c.name in ("make_prepped_xfer", "transfer")
+        or (c.name == "send_notif" and not bytes(c.args[1]).startswith(b"HB:"))  # a heartbeat only renews a lease
+    ]
+    assert not after, f"after its READ failed to post, D's agent {agent.name} went on: {after}"
+    assert _ended_as_the_policy_says(req), f"the request ended {req.status}"
+    assert sum(len(_agent(d, r)._xfers) for r in range(len(d.ranks))) == 0, "transfer handles left open on D"
+    assert _p_frees(p, d, "tp-post-fails", clock, lease_s), "P kept the blocks past its lease"
     assert_no_leak(p, d)
 
 
