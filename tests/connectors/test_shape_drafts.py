@@ -67,12 +67,12 @@ def _writes_outside(engine, rid: str) -> list[str]:
     return [w for w in getattr(engine, "out_of_block_writes", []) if w.startswith(f"{rid}:")]
 
 
-def _resume_from_nixl(make_pd, shape, rid: str, prompt: list[int]):
+def _resume_from_nixl(make_pd, shape, rid: str, prompt: list[int], max_tokens: int = MAX_TOKENS):
     """P prefills ``prompt``; D takes P's params and reads it over NIXL (byte for byte); returns (P, D)."""
     p, d = _deploy(make_pd, shape)
     with setup_owned_by(PREFILLED):
         params = p.prefill(rid, prompt)
-    d.scheduler.add_request(va.make_request(rid, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params))
+    d.scheduler.add_request(va.make_request(rid, prompt, max_tokens=max_tokens, kv_transfer_params=params))
     d.step()
     blocks = d.scheduler.kv_cache_manager.get_block_ids(rid)
     with setup_owned_by(PD_READ):
@@ -128,41 +128,92 @@ def test_a_request_resumed_after_an_async_load_gets_the_slots_of_its_first_specu
     assert_no_leak(*(e for e in (p, d) if e is not None))
 
 
-@pytest.mark.parametrize("source", ["nixl", "cpu-tier"])
+@pytest.mark.parametrize("source", ["nixl", "nixl-one-draft", "cpu-tier"])
 @pytest.mark.shapes("drafts")
 def test_the_first_step_after_an_async_load_is_a_whole_speculative_step(make_pd, make_engine, shape, source):
     """Once its KV has arrived, a resumed request's first decode step is the speculative step every decode
     runs: ``1 + k`` tokens, the ``k`` drafts it has none of yet as placeholders (``-1``), so that the batch stays
     uniform and the runner keeps its full CUDA graph (v1/core/sched/scheduler.py 0.34.0 L1358-1380, L1642-1646;
     the slots the admission above reserves are the ones this step uses).  A release whose Scheduler has no such
-    padding schedules the step unpadded by design: not applicable, by a probe of its source."""
-    import inspect
-
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    if "pad_spec_decode" not in inspect.getsource(Scheduler.schedule):
-        not_applicable("this release's Scheduler does not pad a resumed request's first decode step")
+    padding schedules the step unpadded by design: not applicable, by a probe of its source.  With one draft
+    (``nixl-one-draft``) the step is two tokens."""
+    _require_padding()
     rid = f"drafts-padded-{source}"
     if source == "nixl":
         _, d = _resume_from_nixl(make_pd, shape, rid, token_ids(3 * BLOCK + 9, start=640))
+    elif source == "nixl-one-draft":  # k = 1, the smallest lookahead users run (an MTP head, ngram with k 1)
+        one = shapes.Shape(f"{shape.id}-k1", "drafts", "ngram with 1 draft token on both sides", drafts="ngram1")
+        _, d = _resume_from_nixl(make_pd, one, rid, token_ids(3 * BLOCK + 9, start=660))
     else:
         # the tier serves whole blocks: one token past them leaves the request one token to compute
         _, d = _resume_from_cpu_tier(make_engine, shape, rid, token_ids(3 * BLOCK + 1, start=680))
     k = d.vllm_config.speculative_config.num_speculative_tokens
-    first = None
-    for _ in range(40):
-        so = d.step()
-        if rid in so.num_scheduled_tokens:
-            first = so
-            break
-    assert first is not None, "the resumed request was never scheduled after its KV arrived"
-    scheduled = first.num_scheduled_tokens[rid]
-    drafts_sent = list(first.scheduled_spec_decode_tokens.get(rid, []))
+    scheduled, drafts_sent = _first_step(d, rid)
     assert (scheduled, drafts_sent) == (1 + k, [-1] * k), (
         f"the first step after the load scheduled {scheduled} tokens with drafts {drafts_sent}; a speculative "
         f"step is {1 + k} tokens with {k} placeholder drafts"
     )
     d.run([rid], max_steps=80)
+
+
+def _require_padding() -> None:
+    """Probe: the release's Scheduler pads a resumed request's first decode step (``pad_spec_decode``), also when
+    nothing else runs (before 0.30 it padded only beside running requests: ``scheduled_running_reqs and not
+    prefill_scheduled``, scheduler.py 0.26.0 L846-850; the scenario here has the resumed request alone)."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    source = inspect.getsource(Scheduler.schedule)
+    if "pad_spec_decode" not in source:
+        not_applicable("this release's Scheduler does not pad a resumed request's first decode step")
+    if "scheduled_running_reqs and not prefill_scheduled" in source:
+        not_applicable("this release's Scheduler pads a resumed request's first decode step only beside running ones")
+
+
+def _first_step(d, rid: str) -> tuple[int, list[int]]:
+    """(tokens scheduled, drafts sent) of ``rid``'s first step on ``d`` once its KV has arrived."""
+    for _ in range(40):
+        so = d.step()
+        if rid in so.num_scheduled_tokens:
+            return so.num_scheduled_tokens[rid], list(so.scheduled_spec_decode_tokens.get(rid, []))
+    raise AssertionError("the resumed request was never scheduled after its KV arrived")
+
+
+@pytest.mark.parametrize("edge", ["fits-exactly", "one-over"])
+@pytest.mark.shapes("drafts")
+def test_a_first_speculative_step_near_the_model_length_is_padded_only_where_it_fits(make_pd, shape, edge):
+    """At the end of the model's length the first step after a load is padded to ``1 + k`` tokens only if the
+    step and the token it samples still fit: a prompt whose padded step ends exactly at ``max_model_len`` is
+    padded (a request that may run the whole speculative step must get it), one a token longer is scheduled
+    unpadded, one token and no drafts, never a step past the model's length (scheduler.py 0.34.0 L1366-1372).
+    The request then ends at the model's length with exactly a single engine's tokens; no leak."""
+    _require_padding()
+    p, d = _deploy(make_pd, shape)
+    k = d.vllm_config.speculative_config.num_speculative_tokens
+    limit = d.vllm_config.model_config.max_model_len
+    # D computes the prompt's last token itself: with len(prompt) - 1 tokens loaded the padded step ends at
+    # len(prompt) + k and its sampled token at one more
+    length = limit - k - 1 if edge == "fits-exactly" else limit - k
+    rid = f"drafts-edge-{edge}"
+    prompt = token_ids(length, start=720)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill(rid, prompt)
+    d.scheduler.add_request(va.make_request(rid, prompt, max_tokens=limit - length, kv_transfer_params=params))
+    with setup_owned_by(PD_READ):
+        assert step_until([d, p], lambda: read_received(d, rid)), "D's read of P's blocks never finished"
+    want = (1 + k, [-1] * k) if edge == "fits-exactly" else (1, [])
+    got = _first_step(d, rid)
+    assert got == want, (
+        f"a {length}-token prompt at max_model_len {limit} (k = {k}): its first step after the load scheduled "
+        f"{got[0]} tokens with drafts {got[1]}; it should be {want[0]} with {want[1]}"
+    )
+    d.run([rid], max_steps=80)
+    assert _output(d, rid) == _expected(prompt, limit - length), (
+        f"D output {_output(d, rid)} at the end of the model length; a single engine outputs "
+        f"{_expected(prompt, limit - length)}"
+    )
+    assert_no_leak(p, d)
 
 
 @pytest.mark.shapes("drafts")
