@@ -23,10 +23,12 @@ from conftest import (
     BLOCK,
     PREFILLED,
     SHAPE_PD_READ,
+    assert_blocks_hold_the_prompt,
     assert_no_leak,
     deployed,
     nixl_lease,
     patient_steps,
+    read_failure,
     read_received,
     step_until,
     token_ids,
@@ -269,6 +271,43 @@ def test_a_read_that_fails_to_post_reads_and_announces_nothing_more_of_the_reque
     assert _ended_as_the_policy_says(req), f"the request ended {req.status}"
     assert sum(len(_agent(d, r)._xfers) for r in range(len(d.ranks))) == 0, "transfer handles left open on D"
     assert _p_frees(p, d, "tp-post-fails", clock, lease_s), "P kept the blocks past its lease"
+    assert_no_leak(p, d)
+
+
+@pytest.mark.shapes("hetero-tp")
+def test_a_decode_that_slept_and_woke_reads_its_next_request_into_every_rank(make_pd, shape):
+    """D reads a request, then sleeps and wakes as EngineCore drives it (its prefix cache reset, every rank's
+    connector unregistering its KV caches from NIXL and restoring them: the release's sleep mode frees and
+    re-registers KV memory).  The user expects D's next read, from every P rank holding its heads, to land
+    byte for byte in every D rank (not to go through the transfer handles D released when it slept, nor fail
+    and be recomputed); P frees; nothing leaks."""
+    from test_shape_restarted import _sleep_mode_reaches_the_connector
+    from vllm.v1.request import RequestStatus
+
+    _sleep_mode_reaches_the_connector()
+    p, d = _deploy(make_pd, shape)
+    _prefill_and_read(p, d, "tp-before-sleep", token_ids(3 * BLOCK + 5, start=940))
+    d.run(["tp-before-sleep"])
+    assert step_until([p], lambda: "tp-before-sleep" not in p.scheduler.requests), "P kept the first request's blocks"
+    va.call_with_supported(d.scheduler.reset_prefix_cache, reset_connector=True)
+    for rank in d.ranks:
+        rank.connector.unregister_kv_caches()
+    for rank in d.ranks:
+        rank.connector.restore_kv_caches()
+    prompt = token_ids(3 * BLOCK + 5, start=980)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("tp-after-wake", prompt)
+    req = va.make_request("tp-after-wake", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    d.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"D did not wait for P's KV after waking: {req.status}"
+    blocks = d.scheduler.kv_cache_manager.get_block_ids("tp-after-wake")
+    assert step_until([d, p], lambda: read_received(d, "tp-after-wake")), "D's read after waking never finished"
+    failure = read_failure(d, "tp-after-wake")
+    assert failure is None, f"D's read after waking failed: {failure}"
+    assert_blocks_hold_the_prompt(d, blocks, prompt, len(prompt) // BLOCK)
+    d.run(["tp-after-wake"])
+    assert step_until([p], lambda: "tp-after-wake" not in p.scheduler.requests), "P kept the blocks after D read"
     assert_no_leak(p, d)
 
 
