@@ -490,6 +490,18 @@ def test_the_map_is_reused_while_the_suite_and_the_files_are_unchanged(tmp_path)
     assert path.name == "mutants-cell.coverage-nixl.json"
 
 
+def test_a_map_measured_with_some_shapes_is_not_the_map_of_a_run_with_every_shape():
+    """KVCOMPAT_SHAPES reaches the suite from the process's environment, not the run's env: the map's fingerprint
+    takes it in, so a map measured with shapes left out (their tests' lines unmeasured) never serves a run with
+    every shape, which would run each mutant only against the tests of the shapes measured."""
+    from kvcompat.mutation.baseline import selection_env
+
+    env = {"ORDER": "nixl-first"}
+    assert selection_env(env, {}) == env  # unset: the fingerprint of every map stored before stays the same
+    assert selection_env(env, {"KVCOMPAT_SHAPES": ""}) == env
+    assert selection_env(env, {"KVCOMPAT_SHAPES": "dense hybrid"}) == {**env, "KVCOMPAT_SHAPES": "dense hybrid"}
+
+
 def test_the_plugins_output_is_read_and_an_empty_measurement_is_not_used(tmp_path):
     out = tmp_path / "cov.json"
     out.write_text(json.dumps({"tests": ["", "t::a"], "files": {"vllm/a.py": {"3": [0, 1], "4": [1]}}}))

@@ -11,10 +11,12 @@ the tests green on it and each test's time.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from kvcompat import shapes
 from kvcompat.mutation import covmap
 from kvcompat.mutation.context import MutationOptions, ours_run
 from kvcompat.mutation.plan import Group
@@ -39,7 +41,14 @@ def selection_ready(ctx: CellContext, mo: MutationOptions) -> str | None:
 def ours_fingerprint(ctx: CellContext, run: suites.SuiteRun) -> str:
     suite = Path(run.path) if Path(run.path).is_absolute() else ctx.opts.repo / run.path
     testkit = Path(__file__).resolve().parent.parent / "testkit"  # what the suite drives vLLM with
-    return covmap.fingerprint([suite, testkit], [*run.args, *ctx.opts.pytest_args], run.env)
+    return covmap.fingerprint([suite, testkit], [*run.args, *ctx.opts.pytest_args], selection_env(run.env))
+
+
+def selection_env(env: dict[str, str], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """``env`` and the shape selection the suite inherits from this process (``KVCOMPAT_SHAPES``): a map measured
+    with some shapes left out misses the lines only they run, so it must not serve a run with every shape."""
+    chosen = environ.get(shapes.SHAPES_ENV)
+    return {**env, shapes.SHAPES_ENV: chosen} if chosen else dict(env)
 
 
 def measured(
