@@ -49,10 +49,20 @@ _MODEL_DIRS: dict[str, Path] = {}
 def missing(shape: Shape) -> str | None:
     """Explicit probe: the release's SpeculativeConfig offers the ``ngram`` method and its Scheduler takes
     draft token ids from the engine (``update_draft_token_ids``)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if "ngram" not in speculative_methods():
+        return "the release's SpeculativeConfig has no ngram method"
+    if not hasattr(Scheduler, "update_draft_token_ids"):
+        return "the release's Scheduler takes no draft token ids (Scheduler.update_draft_token_ids)"
+    return None
+
+
+def speculative_methods() -> set[str]:
+    """The ``method`` values the release's SpeculativeConfig accepts (the literals of its type hint)."""
     import typing
 
     from vllm.config import SpeculativeConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
 
     methods: set[str] = set()
     stack = [typing.get_type_hints(SpeculativeConfig).get("method")]
@@ -62,11 +72,7 @@ def missing(shape: Shape) -> str | None:
             methods.add(t)
         else:
             stack.extend(typing.get_args(t))
-    if "ngram" not in methods:
-        return "the release's SpeculativeConfig has no ngram method"
-    if not hasattr(Scheduler, "update_draft_token_ids"):
-        return "the release's Scheduler takes no draft token ids (Scheduler.update_draft_token_ids)"
-    return None
+    return methods
 
 
 def sides(shape: Shape) -> tuple[str, str]:

@@ -51,7 +51,6 @@ from __future__ import annotations
 import importlib
 import json
 import time
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -78,18 +77,9 @@ def missing(shape: Shape) -> str | None:
     why = _mla.missing(shape)
     if why is not None:
         return why
-    from vllm.config import SpeculativeConfig
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    methods: set[str] = set()
-    stack = [typing.get_type_hints(SpeculativeConfig).get("method")]
-    while stack:
-        t = stack.pop()
-        if isinstance(t, str):
-            methods.add(t)
-        else:
-            stack.extend(typing.get_args(t))
-    if METHOD not in methods:
+    if METHOD not in _drafts.speculative_methods():
         return f"the release's SpeculativeConfig has no {METHOD} method"
     if not probes.has_file(EAGLE3_MODEL):
         return f"the release ships no Llama EAGLE-3 head ({EAGLE3_MODEL})"
