@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from test_shape_drafts import _Errors
 from test_shape_mla import LEASE_S, SentByRank, _freed_promptly, _prefill, _request
 
 from kvcompat import shapes
@@ -39,18 +40,6 @@ from conftest import (
 )
 
 MAX_TOKENS = 8
-
-
-class _Errors(logging.Handler):
-    """vLLM's log records of ERROR and above, with the exception each carries (what an operator reads)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        error = record.exc_info[1] if record.exc_info else None
-        self.lines.append(record.getMessage() + (f" ({type(error).__name__}: {error})" if error else ""))
 
 
 @pytest.fixture
