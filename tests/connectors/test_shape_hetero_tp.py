@@ -69,14 +69,20 @@ def _read_from(d, p) -> dict[int, set[int]]:
     return out
 
 
-def _prefill_and_read(p, d, rid: str, prompt: list[int]):
-    """P prefills ``rid``; D takes P's params and steps until its read is received (the P/D read contract)."""
+def _prefill_and_send(p, d, rid: str, prompt: list[int]):
+    """P prefills ``rid`` and D is handed the request with P's params (vLLM's P/D proxy protocol); the request."""
     with setup_owned_by(PREFILLED):
         params = p.prefill(rid, prompt)
-    d.scheduler.add_request(va.make_request(rid, prompt, max_tokens=2, kv_transfer_params=params))
+    req = va.make_request(rid, prompt, max_tokens=2, kv_transfer_params=params)
+    d.scheduler.add_request(req)
+    return req
+
+
+def _prefill_and_read(p, d, rid: str, prompt: list[int]) -> None:
+    """:func:`_prefill_and_send`, then D steps until its read is received (the P/D read contract)."""
+    _prefill_and_send(p, d, rid, prompt)
     with setup_owned_by(SHAPE_PD_READ):
         assert step_until([d, p], lambda: read_received(d, rid)), "D's read of P's blocks never finished"
-    return params
 
 
 @pytest.mark.shapes("hetero-tp")
@@ -200,10 +206,7 @@ def test_a_prefill_rank_hears_of_a_read_only_once_the_read_from_it_has_completed
     r = len(d.ranks) - 1
     q = max(q for q in range(len(p.ranks)) if _heads(p, q) & _heads(d, r))
     held = HeldReads(monkeypatch, _agent(d, r), _agent(p, q))
-    prompt = token_ids(3 * BLOCK + 5, start=820)
-    with setup_owned_by(PREFILLED):
-        params = p.prefill("tp-notify", prompt)
-    d.scheduler.add_request(va.make_request("tp-notify", prompt, max_tokens=2, kv_transfer_params=params))
+    _prefill_and_send(p, d, "tp-notify", token_ids(3 * BLOCK + 5, start=820))
     for _ in patient_steps(40):
         if held.held:
             break
@@ -253,11 +256,7 @@ def test_a_read_that_fails_to_post_reads_and_announces_nothing_more_of_the_reque
         return real_transfer(agent, handle, notif_msg)
 
     monkeypatch.setattr(nixl_agent, "transfer", transfer)
-    prompt = token_ids(3 * BLOCK + 5, start=880)
-    with setup_owned_by(PREFILLED):
-        params = p.prefill("tp-post-fails", prompt)
-    req = va.make_request("tp-post-fails", prompt, max_tokens=2, kv_transfer_params=params)
-    d.scheduler.add_request(req)
+    req = _prefill_and_send(p, d, "tp-post-fails", token_ids(3 * BLOCK + 5, start=880))
     assert step_until([d, p], lambda: req.is_finished()), f"D's request never finished ({req.status})"
     assert failed, "no READ of the request was posted"
     agent, at = failed[0]
@@ -295,10 +294,7 @@ def test_a_decode_that_slept_and_woke_reads_its_next_request_into_every_rank(mak
     for rank in d.ranks:
         rank.connector.restore_kv_caches()
     prompt = token_ids(3 * BLOCK + 5, start=980)
-    with setup_owned_by(PREFILLED):
-        params = p.prefill("tp-after-wake", prompt)
-    req = va.make_request("tp-after-wake", prompt, max_tokens=2, kv_transfer_params=params)
-    d.scheduler.add_request(req)
+    req = _prefill_and_send(p, d, "tp-after-wake", prompt)
     d.step()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, f"D did not wait for P's KV after waking: {req.status}"
     blocks = d.scheduler.kv_cache_manager.get_block_ids("tp-after-wake")
@@ -331,11 +327,7 @@ def test_a_tp_pair_the_release_cannot_serve_fails_the_request_instead_of_hanging
 
     request.node.user_properties.append(("shape", REPLICATED_P.id))
     p, d = _deploy(make_pd, REPLICATED_P)
-    prompt = token_ids(3 * BLOCK + 5, start=820)
-    with setup_owned_by(PREFILLED):
-        params = p.prefill("tp-refused", prompt)
-    req = va.make_request("tp-refused", prompt, max_tokens=2, kv_transfer_params=params)
-    d.scheduler.add_request(req)
+    req = _prefill_and_send(p, d, "tp-refused", token_ids(3 * BLOCK + 5, start=820))
     done = step_until([d, p], lambda: req.is_finished() or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS)
     assert done, "D still waits for the KV of a P it cannot pair with: the request hangs"
     if read_received(d, "tp-refused"):
