@@ -719,6 +719,31 @@ def nixl_lease(monkeypatch, seconds: int) -> dict[str, Any]:
     return {"kv_lease_duration": seconds}
 
 
+@dataclass
+class Lease:
+    """P's Nixl lease on the blocks of a prefill nobody has read yet, ``seconds`` long; its time passes on the
+    release's own clock (kvcompat.testkit.nixl_clock), moved forward by the test, not waited out."""
+
+    seconds: int
+    clock: Any
+
+    def run_out(self, p: Engine, d: Engine | None, *req_ids: str, holding: str = "the blocks nobody read") -> None:
+        """Let the lease run out; P must then free ``req_ids`` (stepping D first, then P, as everywhere)."""
+        self.clock.advance(self.seconds + 0.5)
+        engines = [p] if d is None else [d, p]
+        assert step_until(engines, lambda: not any(r in p.scheduler.requests for r in req_ids)), (
+            f"P still holds {holding} past its {self.seconds}s lease"
+        )
+
+
+def leased_pd(make_pd, monkeypatch, seconds: int = 2, **kwargs) -> tuple[Engine, Engine, Lease]:
+    """A P/D pair (``make_pd(**kwargs)``) whose Nixl lease on unread blocks is ``seconds`` long, and that lease."""
+    from kvcompat.testkit import nixl_clock
+
+    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, seconds), **kwargs)
+    return p, d, Lease(seconds, nixl_clock.install(monkeypatch))
+
+
 def can_reset_connectors(engine) -> None:
     """Explicit probe: the release can reset the connectors' caches through the scheduler."""
     if not hasattr(ch.base_class(), "reset_cache"):
@@ -813,6 +838,20 @@ def cpu_tier_hit(engine: Engine, prompt: list[int], req_id: str) -> int:
     toks, _ = engine.offload.get_num_new_matched_tokens(req, 0)
     engine.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
     return toks or 0
+
+
+def read_destination(d: Engine, rid: str) -> set[int]:
+    """The blocks D's Scheduler gave ``rid``'s NIXL read, as Nixl's metadata told its workers (every group):
+    still known after the request ended and freed them, which the KV-cache manager no longer is."""
+    out: set[int] = set()
+    for meta in d.metas:
+        recv = getattr(meta.metadata[d.nixl_index], "reqs_to_recv", None) if meta is not None else None
+        read = (recv or {}).get(rid)
+        if read is not None:
+            ids = read.local_block_ids
+            groups = len(ids) if ids and isinstance(ids[0], (list, tuple)) else 1
+            out |= {b for g in range(groups) for b in va.group_block_ids(ids, g)}
+    return out
 
 
 def read_received(d: Engine, rid: str) -> bool:

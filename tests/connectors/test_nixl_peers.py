@@ -22,6 +22,7 @@ from conftest import (
     HANDSHAKE,
     PREFILLED,
     assert_no_leak,
+    leased_pd,
     nixl_counted,
     nixl_lease,
     nixl_stats_count,
@@ -626,14 +627,11 @@ def test_a_decode_arriving_after_the_prefills_lease_never_decodes_over_blocks_th
     tokens with HTTP 200, the e2e suite's late-decode contract).  Then nothing leaks."""
     from conftest import assert_blocks_hold_the_prompt, read_failure, read_received
 
-    lease_s = 2
-    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
-    clock = nixl_clock.install(monkeypatch)
+    p, d, lease = leased_pd(make_pd, monkeypatch)
     prompt = token_ids(3 * BLOCK + 5, start=6600)
     with setup_owned_by(PREFILLED):
         params = p.prefill("late-decode", prompt)
-    clock.advance(lease_s + 0.5)
-    assert step_until([p], lambda: "late-decode" not in p.scheduler.requests), "P kept the blocks past its lease"
+    lease.run_out(p, None, "late-decode", holding="the blocks")
     # P computes other prompts: with its prefix cache dropped, two prompts of 31 blocks take every block it has
     p.settle()  # the CPU-offload child's stores of the prompt done
     assert p.scheduler.reset_prefix_cache(), "P still holds blocks after its lease released the request"

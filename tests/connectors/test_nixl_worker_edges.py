@@ -16,15 +16,15 @@ import importlib
 import inspect
 
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import nixl_clock, not_applicable, setup_owned_by
+from kvcompat.testkit import not_applicable, setup_owned_by
 
 from conftest import (
     BLOCK,
     NUM_GPU_BLOCKS,
     PREFILLED,
     assert_no_leak,
+    leased_pd,
     nixl_counted,
-    nixl_lease,
     nixl_stats_count,
     read_received,
     step_until,
@@ -304,9 +304,7 @@ def test_a_remote_prefill_without_a_remote_request_id_neither_breaks_the_decode_
     request's blocks when their lease runs out and P leaks nothing.  (What D does with the incomplete
     request itself is not held here: in 0.34.0 it stays waiting for remote KV, and an abort of it leaves
     its blocks held on D, as no load was ever started that could report them free.)"""
-    lease_s = 2
-    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
-    clock = nixl_clock.install(monkeypatch)
+    p, d, lease = leased_pd(make_pd, monkeypatch)
     prompt = token_ids(3 * BLOCK + 5, start=4600)
     with setup_owned_by(PREFILLED):
         params = p.prefill("no-remote-id", prompt)
@@ -319,10 +317,7 @@ def test_a_remote_prefill_without_a_remote_request_id_neither_breaks_the_decode_
     heartbeats = [bytes(c.args[1]) for c in _agent(d).calls_named("send_notif") if bytes(c.args[1]).startswith(b"HB:")]
     named = {rid for hb in heartbeats for rid in hb[3:].split(b",") if rid}
     assert named <= {b"complete-after"}, f"D's heartbeats to P named {sorted(named)}"
-    clock.advance(lease_s + 0.5)
-    assert step_until([d, p], lambda: "no-remote-id" not in p.scheduler.requests), (
-        "P kept the blocks of the request D could not name past their lease"
-    )
+    lease.run_out(p, d, "no-remote-id", holding="the blocks of the request D could not name")
     assert_no_leak(p)
 
 
@@ -337,14 +332,11 @@ def test_a_decode_that_reads_after_the_prefills_lease_ran_out_does_not_break_the
     P a notification for a request P no longer knows.  The user expects P to go on serving: its steps do
     not fail, its Nixl stats count one notification after expiry (where the release has that count), and
     its next request is read by D token for token; D's late request finishes, and nothing leaks."""
-    lease_s = 2
-    p, d = make_pd(nixl_extra_config=nixl_lease(monkeypatch, lease_s))
-    clock = nixl_clock.install(monkeypatch)
+    p, d, lease = leased_pd(make_pd, monkeypatch)
     prompt = token_ids(3 * BLOCK + 5, start=4800)
     with setup_owned_by(PREFILLED):
         params = p.prefill("late", prompt)
-    clock.advance(lease_s + 0.5)
-    assert step_until([p], lambda: "late" not in p.scheduler.requests), "P kept the blocks past their lease"
+    lease.run_out(p, None, "late", holding="the blocks")
     reads = _count(d, "make_prepped_xfer")
     req = va.make_request("late", prompt, max_tokens=2, kv_transfer_params=params)
     d.scheduler.add_request(req)
@@ -370,9 +362,7 @@ def test_a_decode_served_from_its_cpu_tier_keeps_no_trace_of_a_prefill_it_cannot
     not answer to (a proxy holding a stale id), so that handshake fails.  The user expects D to serve the
     request from its CPU tier all the same, P to free the blocks nobody read when their lease ends, and
     neither engine to keep any trace of the request (its Nixl worker included)."""
-    lease_s = 2
-    p, d = make_pd(order="offload-first", nixl_extra_config=nixl_lease(monkeypatch, lease_s))
-    clock = nixl_clock.install(monkeypatch)
+    p, d, lease = leased_pd(make_pd, monkeypatch, order="offload-first")
     prompt = token_ids(3 * BLOCK + 5, start=5000)
     stored_prefix(d, prompt, "tier-src")
     loads = len(d.transfers.loads())
@@ -384,10 +374,7 @@ def test_a_decode_served_from_its_cpu_tier_keeps_no_trace_of_a_prefill_it_cannot
     assert step_until([d, p], lambda: req.is_finished()), f"D never finished the request ({req.status})"
     assert len(d.transfers.loads()) > loads, "D did not load the prompt from its CPU tier: no scenario"
     assert req.num_output_tokens == 2, f"D's request served from its CPU tier ended {req.status}"
-    clock.advance(lease_s + 0.5)
-    assert step_until([d, p], lambda: "tier-stale-p" not in p.scheduler.requests), (
-        "P kept the blocks nobody read past their lease"
-    )
+    lease.run_out(p, d, "tier-stale-p")
     assert_no_leak(p, d)
 
 
@@ -438,9 +425,7 @@ def test_a_decode_with_bigger_blocks_declines_a_read_without_remote_num_tokens(m
 
     if "Declining remote reads" not in _nixl_source():
         not_applicable("this release's Nixl worker does not decline reads it cannot pair without remote_num_tokens")
-    lease_s = 2
-    p, d = make_pd(decode={"block_size": 2 * BLOCK}, nixl_extra_config=nixl_lease(monkeypatch, lease_s))
-    clock = nixl_clock.install(monkeypatch)
+    p, d, lease = leased_pd(make_pd, monkeypatch, decode={"block_size": 2 * BLOCK})
     prompt = token_ids(4 * BLOCK + BLOCK // 2, start=5200)
     with setup_owned_by(PREFILLED):
         params = p.prefill("no-num-tokens", prompt)
@@ -453,7 +438,6 @@ def test_a_decode_with_bigger_blocks_declines_a_read_without_remote_num_tokens(m
     assert step_until([d, p], lambda: req.is_finished()), f"D's request stayed {req.status}"
     assert req.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ERROR), req.status
     assert _count(d, "make_prepped_xfer") == reads, "D read P's blocks without remote_num_tokens to pair them"
-    clock.advance(lease_s + 0.5)
-    assert step_until([d, p], lambda: "no-num-tokens" not in p.scheduler.requests), "P kept the unread blocks"
+    lease.run_out(p, d, "no-num-tokens", holding="the unread blocks")
     _read_token_for_token(p, d, "with-num-tokens", token_ids(4 * BLOCK + BLOCK // 2, start=5300))
     assert_no_leak(p, d)
