@@ -24,6 +24,7 @@ from workload import (
     REMOTE_DECODE,
     SERVED_FIRST,
     SERVED_TESTS,
+    SHAPE_TESTS,
     engine_specs,
     key,
     served_config,
@@ -101,6 +102,8 @@ ENGINES_OF = {
     "test_metrics_move_as_the_workload_says": ("reference", "prefill", "decode"),
     # tests/e2e/test_served.py drives servers of its own (the ``served`` fixture); its reference is the plain engine
     **{name: ("reference",) for name in SERVED_TESTS},
+    # tests/e2e/test_shapes.py drives each shape's own engines (started together at the shape's first test)
+    **{name: () for name in SHAPE_TESTS},
     # tests/e2e/test_served.py: kv_both is the in-process P/D's role (a served kv_both pair would be two more starts)
     "test_kv_both_pd_gives_the_reference_and_the_release_says_whether_it_is_deprecated": (
         "reference",

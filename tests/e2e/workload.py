@@ -177,3 +177,49 @@ def served_config() -> dict:
         "decode_kv": kv("kv_consumer", "kvcompat-served-decode"),
         "num_gpu_blocks": PD_DEVICE_BLOCKS,
     }
+
+
+# Deployment shapes (tests/e2e/test_shapes.py), by the in-cell suite's shape ids (kvcompat.shapes): each
+# shape's own engines, a plain one of the shape (its reference) and a P/D pair with MultiConnector.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+SHAPE_SETTINGS = {
+    # ngram speculative decoding (2 draft tokens) on every engine of the shape, the reference's too
+    "drafts-ngram": {"speculative_config": NGRAM},
+}
+SHAPE_DEVICE_BLOCKS = {"drafts-ngram": PD_DEVICE_BLOCKS}
+SHAPE_TESTS = (
+    "test_shape_prefill_then_decode_gives_a_single_engines_tokens",
+    "test_shape_decode_follows_the_transferred_kv",
+    "test_shape_engines_are_back_to_idle_after_the_workload",
+)
+
+
+def repeating(i: int, n: int, period: int = 9) -> dict:
+    """A prompt of ``n`` tokens that repeats a phrase of ``period`` tokens (deterministic in ``i``): its
+    last tokens occur earlier in it, so an ngram drafter proposes tokens from its first decode step."""
+    phrase = tokens(i, period)["prompt_token_ids"]
+    return {"prompt_token_ids": [phrase[j % period] for j in range(n)]}
+
+
+# Three prompts of 2-5 blocks of 32, and two of one length for the control (the second is handed the first's
+# remote blocks).
+SHAPE_PROMPTS = [repeating(700 + i, n) for i, n in enumerate([70, 110, 150])]
+SHAPE_CONTROL = [repeating(710, 100), repeating(711, 100)]
+
+
+def shape_specs(shape: str, model_dir) -> dict[str, dict]:
+    """A shape's three engines by name: ``reference`` (plain), ``prefill`` and ``decode``
+    (MultiConnector(Nixl + CPU offload), log stats where the release's in-process engine core can)."""
+    plain = {"model": str(model_dir), **SHAPE_SETTINGS[shape]}
+    pd = {
+        **plain,
+        "connector": "multi",
+        "cpu_blocks": CPU_BLOCKS,
+        "num_gpu_blocks": SHAPE_DEVICE_BLOCKS[shape],
+        "log_stats": "auto",
+    }
+    return {
+        "reference": plain,
+        "prefill": {**pd, "engine_id": f"kvcompat-{shape}-prefill"},
+        "decode": {**pd, "engine_id": f"kvcompat-{shape}-decode"},
+    }

@@ -41,7 +41,7 @@ LEAKS = (
     "test_a_prefill_aborted_mid_prefill_leaks_nothing",
 )
 METRICS = "test_metrics_move_as_the_workload_says"
-E2E_TESTS = ("test_engines.py", "test_served.py", "test_serving.py")
+E2E_TESTS = ("test_engines.py", "test_served.py", "test_serving.py", "test_shapes.py")
 
 
 def test_every_e2e_test_names_the_engines_it_drives():

