@@ -140,6 +140,29 @@ def _last_reader(p, d) -> tuple[int, set[str] | None]:
     return len(p.ranks) - 1, None
 
 
+def _step_until_held(engines, held, polls: int, never: str, then) -> None:
+    """Step ``engines`` (in that order) until ``held`` holds something back, which the scenario needs (else
+    ``never``), then step ``then`` 8 times more: however long they go on, nothing held may get through."""
+    for _ in patient_steps(polls):
+        if held.held:
+            break
+        for e in engines:
+            e.step()
+    with setup_owned_by(SHAPE_PD_READ):
+        assert held.held, never
+    for _ in range(8):
+        for e in then:
+            e.step()
+
+
+def _release_and_free(p, d, held, rid: str) -> None:
+    """Let what ``held`` held through: D finishes ``rid``, P then frees its blocks, and neither engine leaks."""
+    held.holding = False
+    d.run([rid])
+    assert step_until([p], lambda: rid not in p.scheduler.requests), "P kept the blocks after every read"
+    assert_no_leak(p, d)
+
+
 @pytest.mark.shapes("hetero-tp")
 def test_the_prefill_frees_a_request_only_when_every_reading_rank_has_read(make_pd, shape, monkeypatch):
     """P keeps a request's blocks while any reading D rank's "read done" has not reached the P rank it read
@@ -150,22 +173,11 @@ def test_the_prefill_frees_a_request_only_when_every_reading_rank_has_read(make_
     q, senders = _last_reader(p, d)
     held = HeldNotifications(monkeypatch, _agent(p, q), senders)
     _prefill_and_read(p, d, "tp-free", token_ids(3 * BLOCK + 5, start=760))
-    for _ in patient_steps(30):
-        if held.held:
-            break
-        p.step()
-        d.step()
-    with setup_owned_by(SHAPE_PD_READ):
-        assert held.held, f"P rank {q} never received the last reader's notification"
-    for _ in range(8):
-        p.step()
+    _step_until_held([p, d], held, 30, f"P rank {q} never received the last reader's notification", then=[p])
     assert "tp-free" in p.scheduler.requests, (
         f"P freed the request while P rank {q} had not yet heard that D rank(s) {sorted(held.held)} read it"
     )
-    held.holding = False
-    d.run(["tp-free"])
-    assert step_until([p], lambda: "tp-free" not in p.scheduler.requests), "P kept the blocks after every read"
-    assert_no_leak(p, d)
+    _release_and_free(p, d, held, "tp-free")
 
 
 class HeldReads:
@@ -207,26 +219,14 @@ def test_a_prefill_rank_hears_of_a_read_only_once_the_read_from_it_has_completed
     q = max(q for q in range(len(p.ranks)) if _heads(p, q) & _heads(d, r))
     held = HeldReads(monkeypatch, _agent(d, r), _agent(p, q))
     _prefill_and_send(p, d, "tp-notify", token_ids(3 * BLOCK + 5, start=820))
-    for _ in patient_steps(40):
-        if held.held:
-            break
-        d.step()
-        p.step()
-    with setup_owned_by(SHAPE_PD_READ):
-        assert held.held, f"D rank {r} never posted a READ from P rank {q}"
-    for _ in range(8):
-        d.step()
-        p.step()
+    _step_until_held([d, p], held, 40, f"D rank {r} never posted a READ from P rank {q}", then=[d, p])
     assert not held.heard, (
         f"P rank {q} was notified by D rank {r} while D rank {r}'s READ from it was still in flight: {held.heard}"
     )
     assert "tp-notify" in p.scheduler.requests, (
         f"P freed the request while D rank {r}'s READ from P rank {q} was in flight"
     )
-    held.holding = False
-    d.run(["tp-notify"])
-    assert step_until([p], lambda: "tp-notify" not in p.scheduler.requests), "P kept the blocks after every read"
-    assert_no_leak(p, d)
+    _release_and_free(p, d, held, "tp-notify")
 
 
 @pytest.mark.shapes("hetero-tp", "mla")
