@@ -53,6 +53,17 @@ class Plant:
 
 PLANTS = (
     Plant(
+        "mla-drafts-split-draft-heads-in-any-layout",
+        f"{NIXL}/base_worker.py",
+        "            has_draft_regions\n            and draft_remote_heads != draft_local_heads\n            and (\n",
+        "            False\n            and draft_remote_heads != draft_local_heads\n            and (\n",
+        (
+            "test_shape_mla_drafts.py::"
+            "test_a_split_draft_pair_in_the_default_layout_is_served_or_refused_naming_the_layout",
+        ),
+        shape="mla-drafts",
+    ),
+    Plant(
         "nixl-abort-before-scheduling-strands-prefill",
         f"{NIXL}/pull_scheduler.py",
         "            self._reqs_need_recv[request.request_id] = (request, [], (), False)\n",

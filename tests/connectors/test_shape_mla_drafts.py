@@ -15,6 +15,7 @@ and its clock the test's (kvcompat.testkit.nixl_clock), so a P rank that frees b
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -23,7 +24,7 @@ from test_shape_mla import LEASE_S, SentByRank, _freed_promptly, _prefill, _requ
 
 from kvcompat import shapes
 from kvcompat.testkit import adapter as va
-from kvcompat.testkit import nixl_clock, not_applicable
+from kvcompat.testkit import nixl_clock, not_applicable, record_fact
 from kvcompat.testkit.adapter.kv_cache import head_axis
 from kvcompat.testkit.deploy import drafts as _drafts
 from kvcompat.testkit.deploy import mla_drafts
@@ -287,4 +288,62 @@ def test_a_pair_whose_eagle_heads_differ_is_refused_at_the_handshake(make_pd, mo
     assert step_until([p, d], lambda: rid not in p.scheduler.requests), (
         f"P rank(s) {sent.ranks_not_done(rid)} held the request past their lease after D refused it"
     )
+    assert_no_leak(p, d)
+
+
+# mla-eagle-p1d2 as a user first writes it: without VLLM_KV_CACHE_LAYOUT, each side in the release's own layout.
+DEFAULT_LAYOUT_P1D2 = dataclasses.replace(
+    shapes.BY_ID["mla-eagle-p1d2"],
+    id="mla-eagle-p1d2-default-layout",
+    what="the MLA model with an EAGLE-3 GQA draft head, prefill TP 1, decode TP 2, in the release's own layout",
+    kv_cache_layout=None,
+)
+
+
+def test_a_split_draft_pair_in_the_default_layout_is_served_or_refused_naming_the_layout(
+    make_pd, monkeypatch, vllm_errors, request
+):
+    """P at TP 1 and D at TP 2 under an MLA target with an EAGLE-3 GQA head, without the layout the release wants
+    for slicing the draft's heads (VLLM_KV_CACHE_LAYOUT unset).  The user expects D either to serve it (every D
+    rank then holds the prompt's KV) or to refuse it with an error that names the KV-cache layout to set (the
+    release's check, nixl/base_worker.py 0.34.0 L2909-2924), never to decode over KV read wrong or not at all;
+    the request ends or is recomputed locally, P frees it at the latest at its lease, and nothing leaks."""
+    from vllm.v1.request import RequestStatus
+
+    request.node.user_properties.append(("shape", DEFAULT_LAYOUT_P1D2.id))
+    why = mla_drafts.missing(DEFAULT_LAYOUT_P1D2)
+    if why is not None:
+        not_applicable(f"shape {DEFAULT_LAYOUT_P1D2.id}: {why}")
+    p, d, clock = _deploy(make_pd, DEFAULT_LAYOUT_P1D2, monkeypatch)
+    bs = _block_size(d)
+    rid = "mla-eagle-unset"  # (no "layout" in it: the check below reads vLLM's messages for that word)
+    prompt = token_ids(4 * bs + 3, start=660)
+    full = len(prompt) // bs
+    params = _prefill(p, rid, prompt)
+    p_blocks = _blocks(p, rid)
+    p_bytes = _ps_bytes(p, p_blocks, full)
+    req = _request(d, rid, prompt, max_tokens=4, params=params)
+    d.scheduler.add_request(req)
+    d.step()
+    d_blocks = _blocks(d, rid)
+    done = step_until(
+        [d, p], lambda: read_received(d, rid) or req.is_finished() or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+    )
+    assert done, "D still waits for the KV of a P it cannot pair with in this layout: the request hangs"
+    served = read_received(d, rid) and read_failure(d, rid) is None
+    if served:  # then byte for byte: each D rank holds P's latent and its own slice of P's draft heads
+        compared = _assert_holds_ps_bytes(p, d, p_blocks, d_blocks, full, p_bytes)
+        assert compared == full * len(d.kinds) * len(d.ranks), compared
+    else:
+        named = [e for e in vllm_errors.lines if "layout" in e.lower()]
+        assert named, f"D refused the pair without naming the KV-cache layout; vLLM's errors: {vllm_errors.lines[:3]}"
+    said = named[0][max(0, named[0].lower().find("layout") - 120) :][:240] if not served else ""
+    record_fact(DEFAULT_LAYOUT_P1D2.id, f"refused: …{said}" if said else "served, byte for byte")
+    d.run([rid], max_steps=120)
+    out = d.finished_output(rid)
+    if not str(out.finish_reason).lower().endswith("error"):
+        blocks = d.scheduler.kv_cache_manager.get_block_ids(rid)
+        assert_blocks_hold_the_prompt(d, blocks, prompt, len(prompt) // va.BLOCK_SIZE)
+    clock.advance(LEASE_S + 1)
+    assert step_until([p, d], lambda: rid not in p.scheduler.requests), "P held the request past its lease"
     assert_no_leak(p, d)
