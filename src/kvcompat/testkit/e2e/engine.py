@@ -111,6 +111,12 @@ def build_llm(spec: dict) -> Any:
         kwargs["attention_backend"] = spec["attention_backend"]
     if spec.get("speculative_config"):
         kwargs["speculative_config"] = dict(spec["speculative_config"])
+    if "enable_prefix_caching" in spec:
+        kwargs["enable_prefix_caching"] = spec["enable_prefix_caching"]
+    if spec.get("mamba_cache_mode"):  # a hybrid model's prefix caching ("align": what the CPU tier needs)
+        kwargs["mamba_cache_mode"] = spec["mamba_cache_mode"]
+    if spec.get("hma"):  # the hybrid KV-cache manager on, with a connector
+        kwargs["disable_hybrid_kv_cache_manager"] = False
     config = kv_transfer_config(spec)
     if config is not None:
         kwargs["kv_transfer_config"] = config
@@ -130,7 +136,17 @@ def effective_config(llm: Any) -> dict:
         "speculative_method": getattr(spec, "method", None),
         "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None),
         "attention_backend": getattr(attention, "name", None),
+        "hybrid_kv_cache_manager": not config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "kv_cache_groups": _kv_cache_groups(llm),
+        "mamba_cache_mode": getattr(config.cache_config, "mamba_cache_mode", None),
     }
+
+
+def _kv_cache_groups(llm: Any) -> list[str] | None:
+    """The engine's KV-cache groups by spec type (a hybrid model's Mamba and attention groups)."""
+    sched = scheduler_of(llm)
+    groups = getattr(getattr(sched, "kv_cache_config", None), "kv_cache_groups", None)
+    return None if groups is None else [type(g.kv_cache_spec).__name__ for g in groups]
 
 
 def _effective_config_or_error(llm: Any) -> dict:

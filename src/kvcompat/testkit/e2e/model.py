@@ -63,7 +63,34 @@ MLA_CONFIG = {
     "tie_word_embeddings": False,
 }
 MLA_HEAD_SIZE = MLA_CONFIG["kv_lora_rank"] + MLA_CONFIG["qk_rope_head_dim"]  # 576: CPU_MLA's only head size
-KINDS = ("llama", "mla")
+# The e2e ``hybrid`` shape's model (kvcompat.shapes): a Granite-4-style GraniteMoeHybrid without experts, Mamba2
+# mixers and full attention in turn (the Llama's attention sizes), a dense MLP in every layer.
+HYBRID_CONFIG = {
+    **{k: CONFIG[k] for k in ("vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")},
+    "architectures": ["GraniteMoeHybridForCausalLM"],
+    "model_type": "granitemoehybrid",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "shared_intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "layer_types": ["mamba", "attention", "mamba", "attention"],
+    "mamba_n_heads": 4,
+    "mamba_d_head": 64,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
+    "mamba_d_conv": 4,
+    "mamba_expand": 1,
+    "num_local_experts": 0,
+    "num_experts_per_tok": 0,
+    "position_embedding_type": "rope",
+    "attention_multiplier": 0.125,  # 1/sqrt(head_dim 64)
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+    "tie_word_embeddings": False,
+}
+KINDS = ("llama", "mla", "hybrid")
 NUM_LAYERS = CONFIG["num_hidden_layers"]
 NUM_KV_HEADS = CONFIG["num_key_value_heads"]
 HEAD_DIM = CONFIG["head_dim"]
@@ -100,6 +127,10 @@ def _config_and_class(kind: str):
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
         config_cls, model_cls, fields = DeepseekV2Config, DeepseekV2ForCausalLM, MLA_CONFIG
+    elif kind == "hybrid":
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        config_cls, model_cls, fields = GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, HYBRID_CONFIG
     elif kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
