@@ -126,7 +126,7 @@ class ShapeEngines:
         """Prompt -> the prefill's kv_transfer_params (max_tokens=1, do_remote_decode): only prompts a decode reads."""
 
         def compute():
-            prompts = SHAPE_PROMPTS + SHAPE_CONTROL[:1]
+            prompts = SHAPE_PROMPTS + SHAPE_CONTROL
             got = self.started["prefill"].generate(
                 prompts, stage="prefill", max_tokens=1, kv_transfer_params=[dict(REMOTE_DECODE) for _ in prompts]
             )
@@ -194,17 +194,22 @@ def _decode(shape: ShapeEngines) -> dict:
     return shape.once("decode", compute)
 
 
-def _control(shape: ShapeEngines) -> list[int]:
-    """The decode's tokens for the second control prompt handed the first one's remote blocks."""
+def _control(shape: ShapeEngines) -> tuple[list[int], list[int]]:
+    """The decode's tokens for the second control prompt handed the first one's remote blocks, and handed its own."""
 
     def compute():
         a, b = SHAPE_CONTROL
-        params = shape.prefilled()[key(a)]
-        assert params and params.get("do_remote_prefill"), f"no remote-prefill params: {params}"
+        prefilled = shape.prefilled()
+        for p in (a, b):
+            params = prefilled[key(p)]
+            assert params and params.get("do_remote_prefill"), f"no remote-prefill params: {params}"
         got = shape.decode.generate(
-            [b], stage="decode (control)", max_tokens=MAX_TOKENS, kv_transfer_params=[proxy_params(params)]
+            [b, b],
+            stage="decode (control)",
+            max_tokens=MAX_TOKENS,
+            kv_transfer_params=[proxy_params(prefilled[key(a)]), proxy_params(prefilled[key(b)])],
         )
-        return got["outputs"][0]["token_ids"]
+        return got["outputs"][0]["token_ids"], got["outputs"][1]["token_ids"]
 
     return shape.once("control", compute)
 
@@ -236,14 +241,16 @@ def test_shape_prefill_then_decode_gives_a_single_engines_tokens(shape):
 
 
 def test_shape_decode_follows_the_transferred_kv(shape):
-    """Control for the P/D contract: handed another prompt's remote blocks (same length), the decode of the
-    shape follows that KV, and its tokens differ from its own prompt's reference; a decode that computed the
-    prompt itself would pass the P/D contract without NIXL moving anything."""
+    """Control for the P/D contract: the same prompt, read over NIXL once with another prompt's remote blocks
+    (same length) and once with its own, gives the decode other tokens: the decode follows the KV it is handed.
+    A decode that computed the prompt itself would pass the P/D contract without NIXL moving anything.  (Compared
+    with the decode's own read, not with the plain engine, so that a shape whose P/D differs from one engine,
+    a known bug, still has a control.)"""
     reference = shape.reference()
     a, b = SHAPE_CONTROL
     assert reference[key(a)] != reference[key(b)], "the two control prompts give the same tokens: no control"
-    tokens = _control(shape)
-    assert tokens != reference[key(b)], "with another prompt's remote KV the decode still gave its own prompt's tokens"
+    with_other, with_own = _control(shape)
+    assert with_other != with_own, "handed another prompt's remote KV, the decode gave the tokens its own KV gives"
 
 
 def test_shape_engines_are_back_to_idle_after_the_workload(shape):
