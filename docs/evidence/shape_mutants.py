@@ -103,7 +103,14 @@ def main() -> int:
         print(" ".join(sorted(named)))
         return 0
     if args.from_catalogue:
-        status = {i: "killed" if reasons.explanation_for(i, release) is None else "survived" for i in named}
+        # an id the catalogue now calls equivalent is no mutant to kill (not in the total); one it no longer explains
+        # was killed (prune_explained.py takes killed ids out)
+        status = {
+            i: "equivalent"
+            if reasons.reason_for(i, release) is not None
+            else ("killed" if reasons.explanation_for(i, release) is None else "survived")
+            for i in named
+        }
     elif args.score is None:
         counts = collections.Counter(s for ss in named.values() for s in ss)
         print(f"{release} {args.target}: {len(named)} explained mutants name a shape: {dict(counts)}")
@@ -125,7 +132,7 @@ def main() -> int:
         if s not in rows:
             continue
         c = rows[s]
-        total = sum(c.values())
+        total = sum(n for k, n in c.items() if k != "equivalent")
         if args.markdown:
             cols = " | ".join(str(c[k]) for k in KINDS)
             print(
