@@ -66,14 +66,7 @@ class Fleet:
         return self.start("decode")
 
     def stop(self) -> None:
-        for e in self.started.values():  # every engine told to exit first: their shutdowns overlap
-            if e.proc.stdin and e.proc.poll() is None:
-                try:
-                    e.proc.stdin.close()
-                except OSError:
-                    pass
-        for e in self.started.values():
-            e.stop()
+        engines.stop_all(self.started.values())
 
 
 # Which engines each test drives (the reference is every test's): started together at the first test.

@@ -135,14 +135,7 @@ class ShapeEngines:
         return self.once("prefilled", compute)
 
     def stop(self) -> None:
-        for e in self.started.values():  # all told to exit first: their shutdowns overlap
-            if e.proc.stdin and e.proc.poll() is None:
-                try:
-                    e.proc.stdin.close()
-                except OSError:
-                    pass
-        for e in self.started.values():
-            e.stop()
+        engines.stop_all(self.started.values())
 
 
 def _configuration(engine: engines.EngineProcess) -> str:

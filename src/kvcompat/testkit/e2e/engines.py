@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,20 @@ class EngineProcess:
                     break
                 except subprocess.TimeoutExpired:
                     continue
+
+
+def stop_all(engines: Iterable[EngineProcess]) -> None:
+    """Stop several engines: every one is told to exit first (stdin closed), so their shutdowns overlap, then each
+    is waited for, terminated or killed (EngineProcess.stop)."""
+    engines = list(engines)
+    for e in engines:
+        if e.proc.stdin and e.proc.poll() is None:
+            try:
+                e.proc.stdin.close()
+            except OSError:
+                pass
+    for e in engines:
+        e.stop()
 
 
 def model_dir() -> Path:
