@@ -237,6 +237,20 @@ def test_pd_read_gives_decode_the_latent_and_its_draft_heads_and_every_prefill_r
     assert_no_leak(p, d)
 
 
+def _ends_over_its_own_kv_and_p_frees(p, d, clock, rid: str, prompt: list[int], held) -> None:
+    """D finishes ``rid``: in error as the load-failure policy says, or decoded over blocks that hold the prompt's own
+    KV (served, or recomputed), never over KV read wrong or not at all; every P rank frees it at the latest at its
+    lease (else ``held()``); nothing leaks."""
+    d.run([rid], max_steps=120)
+    out = d.finished_output(rid)
+    if not str(out.finish_reason).lower().endswith("error"):
+        blocks = d.scheduler.kv_cache_manager.get_block_ids(rid)
+        assert_blocks_hold_the_prompt(d, blocks, prompt, len(prompt) // va.BLOCK_SIZE)
+    clock.advance(LEASE_S + 1)
+    assert step_until([p, d], lambda: rid not in p.scheduler.requests), held()
+    assert_no_leak(p, d)
+
+
 def _pair(p_drafter: str, d_drafter: str) -> shapes.Shape:
     return shapes.Shape(
         f"mla-eagle-p-{p_drafter}-d-{d_drafter}",
@@ -279,16 +293,14 @@ def test_a_pair_whose_eagle_heads_differ_is_refused_at_the_handshake(make_pd, mo
     )
     named = [e for e in vllm_errors.lines if "compatib" in e.lower() or any(n in e for n in _draft_layers(d))]
     assert named, f"the refusal names no incompatible configuration; vLLM's errors: {vllm_errors.lines[:3]}"
-    d.run([rid], max_steps=120)
-    out = d.finished_output(rid)
-    if not str(out.finish_reason).lower().endswith("error"):
-        blocks = d.scheduler.kv_cache_manager.get_block_ids(rid)
-        assert_blocks_hold_the_prompt(d, blocks, prompt, len(prompt) // va.BLOCK_SIZE)
-    clock.advance(LEASE_S + 1)
-    assert step_until([p, d], lambda: rid not in p.scheduler.requests), (
-        f"P rank(s) {sent.ranks_not_done(rid)} held the request past their lease after D refused it"
+    _ends_over_its_own_kv_and_p_frees(
+        p,
+        d,
+        clock,
+        rid,
+        prompt,
+        lambda: f"P rank(s) {sent.ranks_not_done(rid)} held the request past their lease after D refused it",
     )
-    assert_no_leak(p, d)
 
 
 # mla-eagle-p1d2 as a user first writes it: without VLLM_KV_CACHE_LAYOUT, each side in the release's own layout.
@@ -339,11 +351,4 @@ def test_a_split_draft_pair_in_the_default_layout_is_served_or_refused_naming_th
         assert named, f"D refused the pair without naming the KV-cache layout; vLLM's errors: {vllm_errors.lines[:3]}"
     said = named[0][max(0, named[0].lower().find("layout") - 120) :][:240] if not served else ""
     record_fact(DEFAULT_LAYOUT_P1D2.id, f"refused: …{said}" if said else "served, byte for byte")
-    d.run([rid], max_steps=120)
-    out = d.finished_output(rid)
-    if not str(out.finish_reason).lower().endswith("error"):
-        blocks = d.scheduler.kv_cache_manager.get_block_ids(rid)
-        assert_blocks_hold_the_prompt(d, blocks, prompt, len(prompt) // va.BLOCK_SIZE)
-    clock.advance(LEASE_S + 1)
-    assert step_until([p, d], lambda: rid not in p.scheduler.requests), "P held the request past its lease"
-    assert_no_leak(p, d)
+    _ends_over_its_own_kv_and_p_frees(p, d, clock, rid, prompt, lambda: "P held the request past its lease")
