@@ -18,11 +18,10 @@ import dataclasses
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from planted_regressions import NIXL, _swap  # noqa: E402
+from planted_regressions import NIXL, _swap, venv_copy  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +116,7 @@ def main() -> int:
         return 2
     repo = Path(__file__).resolve().parents[2]
     failed = 0
-    with tempfile.TemporaryDirectory(prefix="kvcompat-fix-") as tmp:
-        venv = Path(tmp) / "venv"
-        subprocess.run(["cp", "-al", str(args.venv.resolve()), str(venv)], check=True)
+    with venv_copy(args.venv, "kvcompat-fix-") as venv:
         for fix in FIXES:
             if args.only and fix.bug not in args.only:
                 continue

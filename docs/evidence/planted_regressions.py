@@ -27,6 +27,7 @@ checkpoint inside the prefill (``num_prefill_checkpoint_blocks``), so no split i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -351,6 +352,17 @@ def _swap(path: Path, text: str) -> None:
     shutil.rmtree(path.parent / "__pycache__", ignore_errors=True)
 
 
+@contextlib.contextmanager
+def venv_copy(cell_venv: Path, prefix: str):
+    """A hard-linked copy of a cell's venv, for as long as the block runs: a file is changed only by replacing it in
+    the copy (``_swap``: os.replace, never written through a link), so the cell's own venv, which a matrix run or a
+    mutation session may be using, never changes."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        venv = Path(tmp) / "venv"
+        subprocess.run(["cp", "-al", str(cell_venv.resolve()), str(venv)], check=True)
+        yield venv
+
+
 def run(venv: Path, plant: Plant, repo: Path) -> tuple[bool, str]:
     site = next(venv.glob("lib/python3*/site-packages"))
     path = site / plant.file
@@ -392,11 +404,7 @@ def main() -> int:
         return 2
     repo = Path(__file__).resolve().parents[2]
     missed = 0
-    with tempfile.TemporaryDirectory(prefix="kvcompat-plant-") as tmp:
-        # A hard-linked copy of the venv: a plant replaces a file of the copy (os.replace, never written through
-        # a link), so the cell's own venv, which a matrix run or a mutation session may be using, never changes.
-        venv = Path(tmp) / "venv"
-        subprocess.run(["cp", "-al", str(args.venv.resolve()), str(venv)], check=True)
+    with venv_copy(args.venv, "kvcompat-plant-") as venv:
         for plant in PLANTS:
             picked = plant.name in args.only or plant.shape in args.shape
             if (args.only or args.shape) and not picked:
