@@ -100,10 +100,12 @@ def floor(python: Path, cell_id: str) -> float:
     return time.monotonic() - t0
 
 
-def suite(python: Path, root: Path, order: str) -> tuple[float, str]:
-    """The e2e suite of the tree at ``root`` in the cell's venv, as kvcompat.run.suites runs it."""
+def suite(python: Path, root: Path, order: str, bytecode: str) -> tuple[float, str]:
+    """The e2e suite of the tree at ``root`` in the cell's venv, as kvcompat.run.suites runs it: the cell's
+    bytecode (its PYTHONPYCACHEPREFIX, writes allowed), else every engine and server process recompiles vLLM."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOMPAT_E2E", "KVCOMPAT_CUDA_TRANSPORT"))}
-    env.update({"PYTHONPATH": str(root / "src"), "KVCOMPAT_CHILD_ORDER": order})
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.update({"PYTHONPATH": str(root / "src"), "KVCOMPAT_CHILD_ORDER": order, "PYTHONPYCACHEPREFIX": bytecode})
     t0 = time.monotonic()
     proc = subprocess.run(
         [str(python), "-m", "pytest", "tests/e2e", "-p", "no:cacheprovider", "-q"],
@@ -120,7 +122,10 @@ def side_by_side(tag: str, base: str, rounds: int) -> int:
     import tarfile
     import tempfile
 
+    from warm_cell_bench import cell_files
+
     cell_id, python = cell(tag)
+    bytecode = str(cell_files(cell_id).bytecode)
     order = "offload-first" if "offload-first" in cell_id else "nixl-first"
     print(f"cell {cell_id}, child order {order}; base {base}")
     ratios = []
@@ -132,8 +137,8 @@ def side_by_side(tag: str, base: str, rounds: int) -> int:
         with tarfile.open(archive) as t:
             t.extractall(Path(tmp) / "base", filter="data")
         for i in range(rounds):
-            b, b_last = suite(python, Path(tmp) / "base", order)
-            n, n_last = suite(python, REPO, order)
+            b, b_last = suite(python, Path(tmp) / "base", order, bytecode)
+            n, n_last = suite(python, REPO, order, bytecode)
             ratios.append(n / b)
             print(
                 f"round {i + 1}: base {b:6.1f}s ({b_last})  now {n:6.1f}s ({n_last})  ratio {n / b:.2f}x  (goal <= 2)"

