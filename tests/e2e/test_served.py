@@ -55,6 +55,7 @@ CLOSED_MAX_TOKENS = 200  # the requests their clients close: still generating wh
 # The controls' prompts, fresh (no server saw them before: a cached prompt would need no transfer).
 CONTROL_TRANSFER = tokens(700, 6 * BLOCK_SIZE + 8)
 CONTROL_TOKENS = {f"{n} tokens": tokens(701 + i, n) for i, n in enumerate([3 * BLOCK_SIZE, 4 * BLOCK_SIZE + 1])}
+CONTROL_STREAMS = [tokens(730 + i, n) for i, n in enumerate([2 * BLOCK_SIZE + 5, 3 * BLOCK_SIZE + 9])]
 # The late decode: its prompt, a prompt sent the same way on time (our requests built right), and the
 # prompt pair of its control (a decode handed another prompt's KV); each of 5 blocks and a bit.
 LATE, ON_TIME = tokens(710, 5 * BLOCK_SIZE + 7), tokens(711, 5 * BLOCK_SIZE + 7)
@@ -85,18 +86,17 @@ def _moved(before: dict, after: dict, name: str, **labels: str) -> float | None:
     return None if b is None else b - (a or 0.0)
 
 
-def test_served_first_requests_after_start_are_complete_or_a_clear_error(served, request):
-    """The first requests after the deployment answered /health, eight at once through the proxy, streamed
-    (the decode's first NIXL handshake happens under load): each gets a complete answer (a finish reason,
-    every token, the reference's) or an error status before any body; never a body cut off mid-stream."""
-    first = served.first
-    reference = _reference(request, SERVED_FIRST)
-    summary = [
+def _summary(streamed: list[dict]) -> list[dict]:
+    return [
         {k: r.get(k) for k in ("finish_reason", "status", "error", "seconds", "chunks")} | {"n": len(r["tokens"])}
-        for r in first
+        for r in streamed
     ]
-    record_fact("e2e served first requests", str(summary))
-    assert any(r["status"] is None and r["error"] is None for r in first), f"no first request was answered: {summary}"
+
+
+def _complete_or_a_clear_error(first: list[dict], prompts: list, reference: list[list[int]]) -> None:
+    """The first-requests contract's check over streamed results (``stream_many``): at least one answered, and
+    each a complete answer (a finish reason, the reference's tokens) or an error status before any body
+    (a server error, 5xx); never a body cut off after the response began."""
     for i, (r, ref) in enumerate(zip(first, reference, strict=True)):
         assert r["status"] is not None or r["error"] is None, (
             f"request {i}: the body was cut off after the response began ({len(r['tokens'])} tokens): {r['error']}"
@@ -106,7 +106,17 @@ def test_served_first_requests_after_start_are_complete_or_a_clear_error(served,
         assert r["status"] is None or r["status"] >= 500, f"request {i} was refused: {r['error']}"
         if r["status"] is None:
             assert r["finish_reason"] == "length", f"request {i}: the stream ended without a finish reason: {r}"
-            assert r["tokens"] == ref, f"request {i} ({n_tokens(SERVED_FIRST[i])} tokens): tokens != reference"
+            assert r["tokens"] == ref, f"request {i} ({n_tokens(prompts[i])} tokens): tokens != reference"
+    assert any(r["status"] is None for r in first), f"no first request was answered: {_summary(first)}"
+
+
+def test_served_first_requests_after_start_are_complete_or_a_clear_error(served, request):
+    """The first requests after the deployment answered /health, eight at once through the proxy, streamed
+    (the decode's first NIXL handshake happens under load): each gets a complete answer (a finish reason,
+    every token, the reference's) or an error status before any body; never a body cut off mid-stream."""
+    first = served.first
+    record_fact("e2e served first requests", str(_summary(first)))
+    _complete_or_a_clear_error(first, SERVED_FIRST, _reference(request, SERVED_FIRST))
 
 
 def test_served_vllm_serve_starts_as_users_start_it(served):
@@ -328,6 +338,23 @@ def test_served_control_a_proxy_reversing_remote_blocks_turns_the_tokens_contrac
     record_fact("e2e served control reverse-remote-blocks", str(red))
     assert red is not None, "with the decode reading its blocks in reverse order the tokens contract stayed green"
     assert "through the proxy != reference" in red, f"the tokens contract went red for another reason: {red}"
+
+
+def test_served_control_a_proxy_cutting_the_stream_turns_the_first_requests_contract_red(served, request):
+    """Control of the first-requests contract: through a second proxy in front of the same servers, the
+    release's proxy failing after it relayed the decode's first chunk (its 200 and part of the body sent),
+    fresh prompts streamed at once get bodies cut off mid-stream, and the contract's check says so."""
+    proxy = _control_proxy(served, "cut-stream")
+    got = stream_many(proxy.url, CONTROL_STREAMS, max_tokens=MAX_TOKENS)
+    try:
+        _complete_or_a_clear_error(got, CONTROL_STREAMS, _reference(request, CONTROL_STREAMS))
+    except AssertionError as exc:
+        red = str(exc).splitlines()[0]
+    else:
+        red = None
+    record_fact("e2e served control cut-stream", str(red))
+    assert red is not None, "with the proxy cutting every stream off the first-requests contract stayed green"
+    assert "the body was cut off" in red, f"the first-requests contract went red for another reason: {red}"
 
 
 def _prefill_leg(served, prompt: dict, request_id: str):

@@ -140,6 +140,7 @@ SERVED_TESTS = (
     "test_served_load_with_client_aborts_leaves_both_servers_idle",
     "test_served_control_a_proxy_dropping_kv_transfer_params_turns_the_transfer_contract_red",
     "test_served_control_a_proxy_reversing_remote_blocks_turns_the_tokens_contract_red",
+    "test_served_control_a_proxy_cutting_the_stream_turns_the_first_requests_contract_red",
     "test_served_a_late_decode_never_returns_tokens_from_released_kv",
     "test_served_control_a_decode_reading_other_kv_turns_the_late_decode_verdict_red",
     "test_served_nothing_outlives_the_deployment",

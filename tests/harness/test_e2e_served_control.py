@@ -10,6 +10,8 @@ contract's own reason:
   prompt itself: the reference tokens, but its own /metrics show no KV transfer (the transfer contract red);
 * ``reverse-remote-blocks``: the decode is handed the prefill's blocks in reverse order and reads KV of other
   positions than its prompt's (the tokens contract red);
+* ``cut-stream``: the proxy fails after relaying the decode's first chunk, its 200 already sent: the client
+  gets a body cut off mid-stream (the first-requests contract red);
 
 and the late-decode contract's verdict is 'other tokens' for a decode handed another prompt's blocks.  The
 e2e cell (``nox -s matrix -k vllm_0_32_0``, CI's e2e phase) runs them with the contracts; a control whose
@@ -36,6 +38,11 @@ CONTROLS = {
         "reverse-remote-blocks",
         "_tokens_through",
         "test_served_completions_through_the_proxy_equal_the_reference",
+    ),
+    "test_served_control_a_proxy_cutting_the_stream_turns_the_first_requests_contract_red": (
+        "cut-stream",
+        "_complete_or_a_clear_error",
+        "test_served_first_requests_after_start_are_complete_or_a_clear_error",
     ),
     "test_served_control_a_decode_reading_other_kv_turns_the_late_decode_verdict_red": (
         None,

@@ -6,6 +6,7 @@ traceback."""
 from __future__ import annotations
 
 import ast
+import asyncio
 import io
 import sys
 import tarfile
@@ -86,6 +87,11 @@ PROXY = (
     + "        return req_data\n"
     "    except Exception:\n"
     "        raise\n"
+    "\n"
+    "\n"
+    "async def _relay(response):\n"
+    "    if True:\n"
+    + served._STREAM
 )
 
 
@@ -104,10 +110,32 @@ def test_the_proxy_is_the_release_s_own_or_has_the_one_edit_of_its_fault(tmp_pat
     exec(compile(ast.parse(text), "proxy", "exec"), namespace)  # the edited source still runs
     params = {"remote_block_ids": [[1, 2, 3]], "do_remote_prefill": True}
     got = namespace["_handle"]({"prompt": [1]}, {"kv_transfer_params": dict(params)})
+    relayed = asyncio.run(_relay_all(namespace["_relay"], [b"a", b"b", b"c"]))
+    if fault == "cut-stream":  # the client's body ends after the first chunk, with the error that cut it
+        assert relayed == ([b"a"], "RuntimeError") and got["kv_transfer_params"] == params
+        return
+    assert relayed == ([b"a", b"b", b"c"], None)
     if fault == "drop-kv-transfer-params":
         assert "kv_transfer_params" not in got
     else:
         assert got["kv_transfer_params"]["remote_block_ids"] == [[3, 2, 1]]
+
+
+async def _relay_all(relay, chunks: list[bytes]) -> tuple[list[bytes], str | None]:
+    """What the proxy's relay loop sends on of a decode's ``chunks``, and the error that ended it, if one did."""
+
+    class Response:
+        async def aiter_bytes(self):
+            for c in chunks:
+                yield c
+
+    sent: list[bytes] = []
+    try:
+        async for c in relay(Response()):
+            sent.append(c)
+    except Exception as exc:  # noqa: BLE001 - the fault's error is what is checked
+        return sent, type(exc).__name__
+    return sent, None
 
 
 def test_metrics_are_read_by_name_and_labels():

@@ -42,8 +42,12 @@ SDIST_DIR_ENV = "KVCOMPAT_E2E_SDIST_DIR"
 # second; no server starts for a control), whose source is the release's with one edit.
 # "drop-kv-transfer-params": the decode is never given the prefill's kv_transfer_params, so it computes
 # every prompt itself; "reverse-remote-blocks": the decode is given the prefill's blocks in reverse order, so
-# it reads KV of other positions than its prompt's.
+# it reads KV of other positions than its prompt's; "cut-stream": the proxy fails after relaying the decode's
+# first chunk, its 200 and part of the body already sent, so the client gets a body cut off mid-stream (as #44
+# saw when a first NIXL handshake timed out under load).
 _HANDOFF = '        if kv_transfer_params:\n            req_data["kv_transfer_params"] = kv_transfer_params\n'
+# The proxy's loop that relays the decode's stream to the client (stream_service_response).
+_STREAM = "        async for chunk in response.aiter_bytes():\n            yield chunk\n"
 PROXY_FAULTS = {
     "drop-kv-transfer-params": (
         _HANDOFF,
@@ -57,6 +61,10 @@ PROXY_FAULTS = {
         "                [g[::-1] for g in ids] if ids and isinstance(ids[0], list) else ids[::-1]\n"
         "            )\n"
         '            req_data["kv_transfer_params"] = kv_transfer_params\n',
+    ),
+    "cut-stream": (
+        _STREAM,
+        _STREAM + '            raise RuntimeError("kvcompat fault: the stream cut off")  # kvcompat fault\n',
     ),
 }
 
