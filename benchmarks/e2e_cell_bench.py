@@ -106,6 +106,11 @@ def suite(python: Path, root: Path, order: str, bytecode: str) -> tuple[float, s
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCOMPAT_E2E", "KVCOMPAT_CUDA_TRANSPORT"))}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.update({"PYTHONPATH": str(root / "src"), "KVCOMPAT_CHILD_ORDER": order, "PYTHONPYCACHEPREFIX": bytecode})
+    # The release's sdist that the served suite takes vLLM's proxy from: this checkout's, for a tree exported
+    # elsewhere too (its own .kvcompat has none, and its served tests would error instead of starting servers).
+    from kvcompat.testkit.e2e.served import SDIST_DIR_ENV
+
+    env[SDIST_DIR_ENV] = str(REPO / ".kvcompat" / "sdists")
     t0 = time.monotonic()
     proc = subprocess.run(
         [str(python), "-m", "pytest", "tests/e2e", "-p", "no:cacheprovider", "-q"],
