@@ -90,8 +90,7 @@ PROXY = (
     "\n"
     "\n"
     "async def _relay(response):\n"
-    "    if True:\n"
-    + served._STREAM
+    "    if True:\n" + served._STREAM
 )
 
 
