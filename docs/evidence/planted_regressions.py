@@ -271,7 +271,11 @@ PLANTS = (
         "            g_block_size = self.group_block_sizes[g]\n            gpu_ext_start = num_computed_tokens // g_block_size\n",
         "            if g != self.fa_gidx:\n                continue\n"
         "            g_block_size = self.group_block_sizes[g]\n            gpu_ext_start = num_computed_tokens // g_block_size\n",
-        ("test_shape_hybrid.py::test_a_cpu_tier_hit_restores_every_kv_cache_group[hybrid]",),
+        (
+            "test_shape_hybrid.py::test_a_cpu_tier_hit_restores_every_kv_cache_group[hybrid]",
+            "test_shape_hybrid.py::test_a_prompt_whose_shared_prefix_the_device_holds_without_its_state_is_served"
+            "_whole_from_the_cpu_tier[hybrid]",
+        ),
         shape="hybrid",
     ),
     Plant(

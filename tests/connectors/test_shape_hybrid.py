@@ -341,6 +341,39 @@ def test_a_prompt_sharing_part_of_a_block_with_a_stored_one_is_served_to_the_las
 
 
 @pytest.mark.shapes("hybrid")
+def test_a_prompt_whose_shared_prefix_the_device_holds_without_its_state_is_served_whole_from_the_cpu_tier(
+    make_engine, transport, shape
+):
+    """Two users share a system prompt on a hybrid model. The device still holds the first user's
+    conversation (the shared prefix and their own suffix; a Mamba state only where that conversation's
+    steps left one), and the CPU tier holds the second user's whole prompt, stored earlier. Full attention
+    then hits the shared prefix on the device while the Mamba state lags behind it (a divergent local hit),
+    and the tier holds more than either. The user expects the second prompt served as computing it would
+    leave it: once computed, every group holds what its prompt leaves, and the engine then finishes it and
+    nothing leaks. Which tokens come from the device and which from the tier is the release's choice."""
+    engine = _engine(make_engine, shape)
+    shared = 3 * BLOCK + 11
+    second = token_ids(shared, start=5100) + token_ids(2 * BLOCK + 5, start=5300)
+    first = second[:shared] + token_ids(BLOCK + 3, start=5500)
+    stored_prefix(engine, second, "shared-second-src")
+    _scrub(engine)
+    engine.scheduler.add_request(engine.request("shared-first", first, max_tokens=2))
+    engine.run(["shared-first"])
+    engine.settle()
+    req = engine.request("shared-second", second, max_tokens=2)
+    engine.scheduler.add_request(req)
+    engine.step()
+    _step_to(engine, req, len(second))
+    wrong = _not_holding(engine, engine.scheduler.kv_cache_manager.get_block_ids("shared-second"), second)
+    assert not wrong, (
+        f"a prompt whose shared prefix the device held without its Mamba state, the tier holding it whole "
+        f"({shape.id}): it does not hold what its prompt leaves: {wrong}"
+    )
+    engine.run(["shared-second"])
+    assert_no_leak(engine)
+
+
+@pytest.mark.shapes("hybrid")
 def test_the_cpu_tier_counts_each_state_it_saved_and_each_it_already_held(make_engine, transport, shape, monkeypatch):
     """A user who sees a low CPU-tier hit rate on a hybrid model reads why in the save-outcome counter
     (``vllm:simple_kv_offload_save_outcomes_total{outcome}``) and in ``get_boundary_store_stats()``: the
