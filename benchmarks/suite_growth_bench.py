@@ -1,10 +1,13 @@
 """Benchmark: what a set of new contracts costs a warm cell, measured side by side in one run.
 
     python benchmarks/suite_growth_bench.py --base REV [--cell vllm_0_34_0] [--rounds 2]
+    python benchmarks/suite_growth_bench.py --base-shapes dense [--cell vllm_0_34_0] [--rounds 2]
 
 Needs the cell's venv built (run `nox -s matrix -k CELL` once).  Per round, alternating:
   base  : the in-cell suite (tests/connectors, as the cell runs it) from git revision REV, with that
           revision's kvcompat, in the cell's venv (exported with `git archive`, nothing checked out)
+          (--base-shapes SHAPES instead: today's suite with only those shapes, KVCOMPAT_SHAPES=SHAPES: what
+          the other shapes cost, the contracts added beside them left out of the comparison)
   now   : the same suite from the working tree
   cell  : `nox -s matrix -k CELL -- --force` (resolve, install, ABI, both suites, result), wall time
 Prints each time, the suite's ratio now / base, and the warm cell's ratio: its wall time now against
@@ -47,12 +50,15 @@ def _export(rev: str, into: Path) -> Path:
     return into / "base"
 
 
-def _suite(venv: Path, root: Path) -> tuple[float, str]:
+def _suite(venv: Path, root: Path, shapes: str | None = None) -> tuple[float, str]:
+    env = {"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    if shapes:
+        env["KVCOMPAT_SHAPES"] = shapes
     t0 = time.monotonic()
     proc = subprocess.run(
         [str(venv / "bin/python"), "-m", "pytest", *SUITE_ARGS],
         cwd=root,
-        env={"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        env=env,
         capture_output=True,
         text=True,
     )
@@ -62,7 +68,9 @@ def _suite(venv: Path, root: Path) -> tuple[float, str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", required=True, help="git revision whose suite is the baseline")
+    base = ap.add_mutually_exclusive_group(required=True)
+    base.add_argument("--base", help="git revision whose suite is the baseline")
+    base.add_argument("--base-shapes", help="the baseline is today's suite with only these shapes (KVCOMPAT_SHAPES)")
     ap.add_argument("--cell", default="vllm_0_34_0 and torch_2_14_0", help="nox -k expression of one cell")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
@@ -71,10 +79,10 @@ def main() -> int:
         print(f"error: no venv for {args.cell!r} ({venv}); run `nox -s matrix -k '{args.cell}'` first", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        base_root = _export(args.base, Path(tmp))
+        base_root = _export(args.base, Path(tmp)) if args.base else REPO
         rows = []
         for r in range(1, args.rounds + 1):
-            base_s, base_line = _suite(venv, base_root)
+            base_s, base_line = _suite(venv, base_root, args.base_shapes)
             now_s, now_line = _suite(venv, REPO)
             t0 = time.monotonic()
             subprocess.run(
