@@ -362,7 +362,6 @@ def test_a_prompt_whose_shared_prefix_the_device_holds_without_its_state_is_serv
     engine.settle()
     req = engine.request("shared-second", second, max_tokens=2)
     engine.scheduler.add_request(req)
-    engine.step()
     _step_to(engine, req, len(second))
     wrong = _not_holding(engine, engine.scheduler.kv_cache_manager.get_block_ids("shared-second"), second)
     assert not wrong, (

@@ -308,18 +308,25 @@ def _control_proxy(served, fault: str):
     return proxy
 
 
+def _red_under(fault: str, check) -> str | None:
+    """Run ``check`` (a contract's own check, through the ``fault`` proxy): the first line of what it asserted,
+    recorded for the report under the fault's name; None when it stayed green."""
+    try:
+        check()
+    except AssertionError as exc:
+        red = str(exc).splitlines()[0]
+    else:
+        red = None
+    record_fact(f"e2e served control {fault}", str(red))
+    return red
+
+
 def test_served_control_a_proxy_dropping_kv_transfer_params_turns_the_transfer_contract_red(served, request):
     """Control of the transfer contract: through a second proxy in front of the same servers, the release's
     proxy with the decode never handed the prefill's kv_transfer_params, a fresh prompt gives the reference
     tokens (the decode computes it) and the transfer contract's check is red on its own metrics."""
     proxy = _control_proxy(served, "drop-kv-transfer-params")
-    try:
-        _transfer_through(served, proxy, request, CONTROL_TRANSFER)
-    except AssertionError as exc:
-        red = str(exc).splitlines()[0]
-    else:
-        red = None
-    record_fact("e2e served control drop-kv-transfer-params", str(red))
+    red = _red_under("drop-kv-transfer-params", lambda: _transfer_through(served, proxy, request, CONTROL_TRANSFER))
     assert red is not None, "with the decode handed no kv_transfer_params the transfer contract stayed green"
     assert red.startswith("too few"), f"the transfer contract went red for another reason: {red}"
 
@@ -329,13 +336,7 @@ def test_served_control_a_proxy_reversing_remote_blocks_turns_the_tokens_contrac
     proxy in front of the same servers, the release's proxy with the prefill's blocks handed to the decode in
     reverse order, the tokens contract's check on fresh prompts of several blocks is red."""
     proxy = _control_proxy(served, "reverse-remote-blocks")
-    try:
-        _tokens_through(proxy.url, request, CONTROL_TOKENS)
-    except AssertionError as exc:
-        red = str(exc).splitlines()[0]
-    else:
-        red = None
-    record_fact("e2e served control reverse-remote-blocks", str(red))
+    red = _red_under("reverse-remote-blocks", lambda: _tokens_through(proxy.url, request, CONTROL_TOKENS))
     assert red is not None, "with the decode reading its blocks in reverse order the tokens contract stayed green"
     assert "through the proxy != reference" in red, f"the tokens contract went red for another reason: {red}"
 
@@ -346,13 +347,9 @@ def test_served_control_a_proxy_cutting_the_stream_turns_the_first_requests_cont
     fresh prompts streamed at once get bodies cut off mid-stream, and the contract's check says so."""
     proxy = _control_proxy(served, "cut-stream")
     got = stream_many(proxy.url, CONTROL_STREAMS, max_tokens=MAX_TOKENS)
-    try:
-        _complete_or_a_clear_error(got, CONTROL_STREAMS, _reference(request, CONTROL_STREAMS))
-    except AssertionError as exc:
-        red = str(exc).splitlines()[0]
-    else:
-        red = None
-    record_fact("e2e served control cut-stream", str(red))
+    red = _red_under(
+        "cut-stream", lambda: _complete_or_a_clear_error(got, CONTROL_STREAMS, _reference(request, CONTROL_STREAMS))
+    )
     assert red is not None, "with the proxy cutting every stream off the first-requests contract stayed green"
     assert "the body was cut off" in red, f"the first-requests contract went red for another reason: {red}"
 
